@@ -1,0 +1,93 @@
+"""Hydra callback: a `--multirun` sweep becomes one parent MLflow run with a child run per job.
+
+The parent's id reaches the jobs through an environment variable, which every launcher passes on:
+the basic launcher runs jobs in this process, submitit's local and Slurm executors inherit the
+submitting environment. At the end the parent gets a comparison table and the best job's name.
+
+Hydra turns exceptions in callbacks into warnings, so a failure here never stops the sweep; the
+tests check the parent/child link in a real store to catch a silently broken callback.
+"""
+
+import logging
+import os
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from dlpipe.job import PARENT_RUN_ENV
+from dlpipe.tracking import PARENT_TAG, client_for, experiment_id
+
+log = logging.getLogger("dlpipe")
+
+# (column title, metric) for the sweep table; samples/s decides the best job
+COLUMNS = [
+    ("samples/s", "samples_per_s"),
+    ("data wait", "data_wait_frac"),
+    ("epoch s", "epoch_time_s"),
+    ("val loss", "val_loss"),
+    ("val acc", "val_accuracy"),
+    ("cpu %", "cpu_util"),
+    ("gpu %", "gpu_util"),
+    ("rss MB", "rss_peak_mb"),
+]
+
+
+def sweep_table(children) -> tuple[str, object | None]:
+    """A markdown table of child runs (overrides vs their last epoch's metrics) and the fastest run."""
+    header = "| job | status | " + " | ".join(t for t, _ in COLUMNS) + " |"
+    lines = [header, "|" + "---|" * (len(COLUMNS) + 2)]
+    ordered = sorted(children, key=lambda r: r.info.start_time)
+    for r in ordered:
+        cells = []
+        for _, key in COLUMNS:
+            v = r.data.metrics.get(key)
+            cells.append("-" if v is None else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}")
+        lines.append(f"| {r.data.tags.get('dlpipe.overrides', r.info.run_name)} | {r.info.status} | " + " | ".join(cells) + " |")
+    finished = [r for r in ordered if r.info.status == "FINISHED" and "samples_per_s" in r.data.metrics]
+    best = max(finished, key=lambda r: r.data.metrics["samples_per_s"], default=None)
+    return "\n".join(lines), best
+
+
+class SweepTracking(Callback):
+    def __init__(self) -> None:
+        self.client = None
+        self.parent_id: str | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        tracking = OmegaConf.to_container(config.tracking, resolve=True)
+        if not tracking["enabled"]:
+            return
+        self.client = client_for(tracking["uri"], tracking["request_timeout_s"], tracking["request_retries"])
+        exp = experiment_id(self.client, tracking["experiment"])
+        overrides = " ".join(config.hydra.overrides.task) or "none"
+        recipe = config.hydra.runtime.choices.get("recipe") or "dlpipe"
+        run = self.client.create_run(
+            exp,
+            run_name=f"sweep {recipe} {overrides}",
+            tags={"dlpipe.role": "sweep", "dlpipe.overrides": overrides, "dlpipe.recipe": recipe,
+                  "dlpipe.sweep_dir": str(config.hydra.sweep.dir)},
+        )
+        self.parent_id = run.info.run_id
+        os.environ[PARENT_RUN_ENV] = self.parent_id
+        log.info("sweep parent MLflow run %s", self.parent_id)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        if self.parent_id is None:
+            return
+        os.environ.pop(PARENT_RUN_ENV, None)
+        exp_id = self.client.get_run(self.parent_id).info.experiment_id
+        children = self.client.search_runs([exp_id], filter_string=f"tags.`{PARENT_TAG}` = '{self.parent_id}'", max_results=10000)
+        table, best = sweep_table(children)
+        self.client.log_text(self.parent_id, table + "\n", "sweep_summary.md")
+        print("\nsweep summary (fastest first by samples/s is marked below)\n" + table, flush=True)
+        failed = sum(r.info.status != "FINISHED" for r in children)
+        tags = {"dlpipe.jobs": str(len(children)), "dlpipe.failed_jobs": str(failed)}
+        if best is not None:
+            tags["dlpipe.best_job"] = best.data.tags.get("dlpipe.overrides", best.info.run_name)
+            tags["dlpipe.best_run_id"] = best.info.run_id
+            self.client.log_metric(self.parent_id, "best_samples_per_s", best.data.metrics["samples_per_s"])
+            print(f"best job: {tags['dlpipe.best_job']} ({best.data.metrics['samples_per_s']:.1f} samples/s)", flush=True)
+        for k, v in tags.items():
+            self.client.set_tag(self.parent_id, k, v)
+        self.client.set_terminated(self.parent_id, "FINISHED" if failed == 0 else "FAILED")
+        self.parent_id = None

@@ -1,0 +1,76 @@
+"""The `dlpipe` command: compose the config with Hydra, check it, then hand it to `job.run`.
+
+Only this module and `callbacks` touch Hydra's runtime. Nothing heavy (torch, mlflow) is
+imported until a job actually runs, so `dlpipe --help` and `dlpipe --cfg job` stay fast.
+"""
+
+import logging
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dlpipe.config.paths import conf_dir
+from dlpipe.config.recipes import register_recipes
+from dlpipe.config.resolvers import register_resolvers
+from dlpipe.config.schema import register_schemas
+from dlpipe.errors import ConfigError, DlpipeError
+
+log = logging.getLogger("dlpipe")
+
+
+def resolve(cfg: DictConfig) -> tuple[dict, dict]:
+    """(raw, resolved) plain containers of the job config; resolver failures become ConfigError."""
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        reason = str(e).splitlines()[0]
+        raise ConfigError([f"{key}: {reason}"]) from None
+    return raw, resolved
+
+
+def _job(cfg: DictConfig):
+    """Hydra's task function: one training job (one per sweep point with --multirun)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    try:
+        from dlpipe import job
+
+        ctx = job.JobContext(
+            output_dir=Path(hc.runtime.output_dir),
+            overrides=list(hc.overrides.task),
+            recipe=hc.runtime.choices.get("recipe"),
+            multirun=multirun,
+        )
+        return job.run(ctx, *resolve(cfg))
+    except DlpipeError as e:
+        for line in str(e).splitlines():
+            print(f"dlpipe: error: {line}", file=sys.stderr)
+        if multirun:
+            raise  # Hydra records this job as failed, runs the others, and the sweep exits 1
+        sys.exit(2)
+
+
+def main() -> None:
+    """Console-script entry point (`dlpipe ...`, `python -m dlpipe ...`)."""
+    import hydra
+
+    # Registered before Hydra starts, so they are pickled with the task for launcher jobs.
+    register_resolvers()
+    register_schemas()
+    try:
+        register_recipes()
+    except ConfigError as e:
+        print(f"dlpipe: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_job)()
+
+
+if __name__ == "__main__":
+    main()

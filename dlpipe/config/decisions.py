@@ -1,0 +1,115 @@
+"""Automatic values and the inputs they came from.
+
+Every function returns a `Decision`: the value a resolver puts in the config plus the facts behind
+it, so the run can print and record its reasoning. torch is imported lazily (only when a CUDA
+question is actually asked) so printing an unresolved config never pays for it.
+"""
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from dlpipe import hardware
+
+# persistent_workers thresholds (documented in the README's resolver table).
+TINY_DATASET = 1000  # below this an epoch is a few batches per worker: not worth holding them resident
+PREFETCH_DEFAULT = 2  # PyTorch's own default; RAM held grows linearly with it
+
+
+@dataclass(frozen=True)
+class Decision:
+    value: object
+    reason: str
+    inputs: dict = field(default_factory=dict)
+
+
+@lru_cache(maxsize=1)
+def _torch_cuda() -> tuple[bool, bool, str]:
+    # Cached per process: CUDA availability cannot change during a run, and asking twice
+    # (resolver, then explanation) should not cost twice.
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, False, "torch.cuda.is_available() is False"
+    return True, bool(torch.cuda.is_bf16_supported()), f"{torch.cuda.device_count()} CUDA device(s)"
+
+
+def workers() -> Decision:
+    budget = hardware.cpu_budget()
+    value = hardware.recommended_workers(budget.budget)
+    return Decision(value, f"CPU budget {budget.budget} per rank -> {value} workers", budget.as_params())
+
+
+def cuda_available() -> Decision:
+    available, _, why = _torch_cuda()
+    return Decision(available, why)
+
+
+def device() -> Decision:
+    available, _, why = _torch_cuda()
+    return Decision("cuda" if available else "cpu", why)
+
+
+def amp() -> Decision:
+    available, bf16, why = _torch_cuda()
+    if not available:
+        return Decision("off", f"no CUDA ({why}): autocast on CPU rarely pays off")
+    if bf16:
+        return Decision("bf16", "GPU supports bfloat16: same range as fp32, no loss scaling needed")
+    return Decision("fp16", "GPU lacks bfloat16: fp16 with a GradScaler")
+
+
+def prefetch(num_workers: int) -> Decision:
+    if int(num_workers) == 0:
+        return Decision(None, "no workers: PyTorch rejects prefetch_factor without them")
+    return Decision(PREFETCH_DEFAULT, f"{num_workers} workers x {PREFETCH_DEFAULT} batches in flight")
+
+
+def persistent(num_workers: int, epochs: int, dataset_size) -> Decision:
+    num_workers, epochs = int(num_workers), int(epochs)
+    size = int(dataset_size or 0)
+    inputs = {"num_workers": str(num_workers), "epochs": str(epochs), "dataset_size": str(size or "unknown")}
+    if num_workers == 0:
+        return Decision(False, "no workers to keep", inputs)
+    if epochs <= 1:
+        return Decision(False, "a single epoch: nothing to reuse the workers for", inputs)
+    if 0 < size < TINY_DATASET:
+        return Decision(False, f"tiny dataset (< {TINY_DATASET} samples): not worth keeping workers resident", inputs)
+    return Decision(True, f"{epochs} epochs: saves a worker start-up per epoch", inputs)
+
+
+# Config key -> (resolver name, how to recompute its decision from the resolved config).
+_AUTO_KEYS = {
+    "loader.num_workers": ("auto_workers", lambda cfg: workers()),
+    "loader.pin_memory": ("cuda_available", lambda cfg: cuda_available()),
+    "loader.prefetch_factor": ("auto_prefetch", lambda cfg: prefetch(cfg["loader"]["num_workers"])),
+    "loader.persistent_workers": (
+        "auto_persistent",
+        lambda cfg: persistent(
+            cfg["loader"]["num_workers"], cfg["trainer"]["epochs"], cfg["dataset"].get("size", 0)
+        ),
+    ),
+    "trainer.device": ("auto_device", lambda cfg: device()),
+    "trainer.amp": ("auto_amp", lambda cfg: amp()),
+}
+
+
+def _lookup(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree
+
+
+def explain(raw: dict, resolved: dict) -> dict[str, str]:
+    """For every hardware-aware key: 'VALUE (auto: reason)' or 'VALUE (set by the user)'.
+
+    `raw` is the config before interpolation, `resolved` after; both plain containers.
+    """
+    out = {}
+    for key, (resolver, recompute) in _AUTO_KEYS.items():
+        value = _lookup(resolved, key)
+        raw_value = _lookup(raw, key)
+        if isinstance(raw_value, str) and raw_value.startswith("${" + resolver + ":"):
+            out[key] = f"{value} (auto: {recompute(resolved).reason})"
+        else:
+            out[key] = f"{value} (set by the user)"
+    return out

@@ -1,0 +1,36 @@
+"""Recipes: named presets in recipes/*.yaml (and the user's $DLPIPE_RECIPE_PATH folders).
+
+Hydra names a config group after its folder, and the shipped folder is `recipes/` while the group
+is `recipe` (`+recipe=vision`), so the files are read here and stored in the ConfigStore under
+group `recipe` at package `_global_`. Hydra then treats them like any other group option: their
+defaults lists may override groups, and `+recipe=nope` lists the available names.
+"""
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from dlpipe.config.paths import recipe_dirs
+from dlpipe.errors import ConfigError
+
+
+def find_recipes(dirs: list[Path] | None = None) -> dict[str, Path]:
+    """Recipe name -> file; a user's folder may shadow a shipped recipe of the same name."""
+    found: dict[str, Path] = {}
+    for d in dirs if dirs is not None else recipe_dirs():
+        if not d.is_dir():
+            raise ConfigError([f"DLPIPE_RECIPE_PATH entry '{d}': not a directory"])
+        for f in sorted(d.glob("*.yaml")):
+            found[f.stem] = f
+    return found
+
+
+def register_recipes(dirs: list[Path] | None = None) -> dict[str, Path]:
+    """Store every recipe in Hydra's ConfigStore; idempotent (a later store overwrites)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    recipes = find_recipes(dirs)
+    for name, path in recipes.items():
+        cs.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_", provider=str(path.parent))
+    return recipes

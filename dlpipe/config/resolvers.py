@@ -1,0 +1,28 @@
+"""OmegaConf resolvers for hardware-aware values: thin adapters over `decisions`.
+
+Each resolver returns only the chosen value; `decisions.explain` recomputes the same decision
+with its inputs so the run can log *why* (no hidden state shared between the two).
+"""
+
+from omegaconf import OmegaConf
+
+from dlpipe.config import decisions
+
+RESOLVERS = {
+    "auto_workers": lambda: decisions.workers().value,
+    "cuda_available": lambda: decisions.cuda_available().value,
+    "auto_device": lambda: decisions.device().value,
+    "auto_amp": lambda: decisions.amp().value,
+    "auto_prefetch": lambda num_workers: decisions.prefetch(num_workers).value,
+    "auto_persistent": lambda num_workers, epochs, dataset_size: decisions.persistent(
+        num_workers, epochs, dataset_size
+    ).value,
+}
+
+
+def register_resolvers() -> None:
+    """Register every dlpipe resolver; safe to call more than once (multirun, launcher jobs)."""
+    for name, fn in RESOLVERS.items():
+        # replace=True keeps this idempotent; use_cache=False because a resolver may be asked again
+        # in a job process whose environment (LOCAL_WORLD_SIZE, Slurm) differs from the launcher's.
+        OmegaConf.register_new_resolver(name, fn, replace=True, use_cache=False)

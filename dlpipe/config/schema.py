@@ -1,0 +1,112 @@
+"""Typed schemas for the config groups that dlpipe itself interprets.
+
+`dataset`, `model` and `optim` are `_target_` nodes (any importable class, checked against its
+signature before anything is built), so they are open dicts here. The other groups are closed
+dataclasses: a typo or a wrong type fails at composition, naming the key. Ranges and cross-field
+rules live in `validation.py` because OmegaConf does not run `__post_init__` on merges.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class LoaderConfig:
+    """torch.utils.data.DataLoader settings; conf/loader/auto.yaml derives them from the machine."""
+
+    batch_size: int = 64
+    """Samples per micro-batch (per rank). The optimizer sees batch_size x trainer.accumulate."""
+    num_workers: int = 0
+    """Worker processes; 0 loads in the main process (best for in-memory tensors)."""
+    pin_memory: bool = False
+    """Page-locked host buffers for faster, asynchronous host-to-GPU copies; useless without CUDA."""
+    prefetch_factor: Optional[int] = None
+    """Batches each worker keeps ready; RAM held = workers x prefetch x batch bytes. None with 0 workers."""
+    persistent_workers: bool = False
+    """Keep workers alive across epochs (saves their start-up; holds their memory)."""
+    shuffle: bool = True
+    """Reshuffle the training set every epoch (validation is never shuffled)."""
+    drop_last: bool = False
+    """Drop the last incomplete training batch (keeps batch statistics and step counts uniform)."""
+    timeout: float = 0.0
+    """Seconds to wait for a batch from a worker before failing; 0 waits forever."""
+    multiprocessing_context: Optional[str] = None
+    """Worker start method: fork, spawn or forkserver; None uses the platform default."""
+    val_batch_size: Optional[int] = None
+    """Validation batch size; None uses batch_size (no gradients, so larger is usually fine)."""
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    epochs: int = 3
+    """Passes over the training split."""
+    max_steps: int = -1
+    """Stop after this many optimizer steps in total; -1 for no limit."""
+    limit_train_batches: int = -1
+    """Micro-batches per training epoch; -1 for the whole split (quick runs, smoke tests)."""
+    limit_val_batches: int = -1
+    """Batches per validation pass; -1 for the whole split, 0 to skip validation."""
+    accumulate: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    device: str = "cpu"
+    """torch device: cpu, cuda, cuda:N or mps."""
+    amp: str = "off"
+    """Mixed precision: off, bf16 or fp16 (fp16 uses a GradScaler)."""
+    empty_cache_every: int = 0
+    """Call torch.cuda.empty_cache() every N optimizer steps; 0 never (it costs a sync)."""
+    val_fraction: float = 0.1
+    """Share of the dataset held out for validation; 0 disables validation."""
+    seed: int = 0
+    """Seeds Python, NumPy, torch, the shuffling generator and every DataLoader worker."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True): reproducible kernels, sometimes slower."""
+    log_every: int = 50
+    """Send the training loss to the tracker every N optimizer steps (asynchronously)."""
+    progress: bool = True
+    """Show a progress bar per epoch (a line per epoch when stderr is not a terminal)."""
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow tracking."""
+
+    enabled: bool = True
+    """False turns tracking off entirely (tracking=none)."""
+    uri: str = "sqlite:///mlflow.db"
+    """MLflow tracking URI: a SQLite file (relative to the working directory) or an http(s) server."""
+    experiment: str = "dlpipe"
+    """MLflow experiment name."""
+    run_name: Optional[str] = None
+    """Run name; None derives one from the recipe and the overrides."""
+    sample_interval_s: float = 0.5
+    """Seconds between CPU/memory/GPU samples taken by the telemetry thread."""
+    request_timeout_s: float = 10.0
+    """HTTP timeout per tracking request, so an unreachable server fails in seconds, not minutes."""
+    request_retries: int = 2
+    """HTTP retries per tracking request."""
+
+
+@dataclass
+class DlpipeConfig:
+    """The whole job."""
+
+    dataset: Any = MISSING
+    model: Any = MISSING
+    optim: Any = MISSING
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def register_schemas() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent: the store overwrites by name)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=DlpipeConfig)

@@ -1,0 +1,121 @@
+"""Range and cross-field checks on the resolved config; every problem is collected into one error."""
+
+import importlib
+import inspect
+
+from dlpipe.config.schema import LoaderConfig, TrackingConfig, TrainerConfig
+from dlpipe.errors import ConfigError
+
+_CONTEXTS = ("fork", "spawn", "forkserver")
+_AMP = ("off", "bf16", "fp16")
+
+
+def _check_loader(c: LoaderConfig) -> list[str]:
+    p = []
+    if c.batch_size < 1:
+        p.append(f"loader.batch_size={c.batch_size}: must be >= 1")
+    if c.val_batch_size is not None and c.val_batch_size < 1:
+        p.append(f"loader.val_batch_size={c.val_batch_size}: must be >= 1 or null")
+    if c.num_workers < 0:
+        p.append(f"loader.num_workers={c.num_workers}: must be >= 0 (0 loads in the main process)")
+    if c.prefetch_factor is not None and c.prefetch_factor < 1:
+        p.append(f"loader.prefetch_factor={c.prefetch_factor}: must be >= 1 or null")
+    if c.timeout < 0:
+        p.append(f"loader.timeout={c.timeout}: must be >= 0 (0 waits forever)")
+    if c.multiprocessing_context is not None and c.multiprocessing_context not in _CONTEXTS:
+        p.append(f"loader.multiprocessing_context={c.multiprocessing_context}: allowed: {', '.join(_CONTEXTS)} or null")
+    return p
+
+
+def _check_trainer(c: TrainerConfig) -> list[str]:
+    p = []
+    if c.epochs < 1:
+        p.append(f"trainer.epochs={c.epochs}: must be >= 1")
+    if c.max_steps == 0 or c.max_steps < -1:
+        p.append(f"trainer.max_steps={c.max_steps}: must be >= 1, or -1 for no limit")
+    if c.limit_train_batches == 0 or c.limit_train_batches < -1:
+        p.append(f"trainer.limit_train_batches={c.limit_train_batches}: must be >= 1, or -1 for all")
+    if c.limit_val_batches < -1:
+        p.append(f"trainer.limit_val_batches={c.limit_val_batches}: must be >= 0, or -1 for all")
+    if c.accumulate < 1:
+        p.append(f"trainer.accumulate={c.accumulate}: must be >= 1 (micro-batches per optimizer step)")
+    if c.grad_clip < 0:
+        p.append(f"trainer.grad_clip={c.grad_clip}: must be >= 0 (0 disables clipping)")
+    if c.amp not in _AMP:
+        p.append(f"trainer.amp={c.amp}: allowed: {', '.join(_AMP)}")
+    if c.empty_cache_every < 0:
+        p.append(f"trainer.empty_cache_every={c.empty_cache_every}: must be >= 0 (0 never)")
+    if not 0.0 <= c.val_fraction < 1.0:
+        p.append(f"trainer.val_fraction={c.val_fraction}: must be in [0, 1)")
+    if c.log_every < 1:
+        p.append(f"trainer.log_every={c.log_every}: must be >= 1")
+    if not (c.device in ("cpu", "cuda", "mps") or c.device.startswith("cuda:")):
+        p.append(f"trainer.device={c.device}: allowed: cpu, cuda, cuda:N, mps")
+    if c.amp == "fp16" and not c.device.startswith("cuda"):
+        p.append(f"trainer.amp=fp16 with trainer.device={c.device}: fp16 needs CUDA; use bf16 or off")
+    return p
+
+
+def _check_tracking(c: TrackingConfig) -> list[str]:
+    p = []
+    if c.enabled and not c.uri:
+        p.append("tracking.uri='': set a URI (sqlite:///mlflow.db, http://host:5000) or use tracking=none")
+    if c.sample_interval_s <= 0:
+        p.append(f"tracking.sample_interval_s={c.sample_interval_s}: must be > 0")
+    if c.request_timeout_s <= 0:
+        p.append(f"tracking.request_timeout_s={c.request_timeout_s}: must be > 0")
+    if c.request_retries < 0:
+        p.append(f"tracking.request_retries={c.request_retries}: must be >= 0")
+    return p
+
+
+def locate(target: str):
+    """Import 'pkg.module.Name' and return the object, or raise ImportError/AttributeError."""
+    module_name, _, attr = target.rpartition(".")
+    if not module_name:
+        raise ImportError(f"'{target}' is not a dotted path like package.module.Class")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
+    """A `_target_` must import and accept the keys given for it (checked before building anything)."""
+    target = node.get("_target_")
+    if not target:
+        return [f"{group}._target_ is missing: set it to an importable class, e.g. {group}._target_=pkg.module.Class"]
+    try:
+        obj = locate(target)
+    except (ImportError, AttributeError) as e:
+        return [f"{group}._target_={target}: cannot be imported ({e})"]
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return []  # builtins without a signature: let the call itself report
+    params = sig.parameters.values()
+    if any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params):
+        return []
+    allowed = [q.name for q in params if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)]
+    given = [k for k in node if not k.startswith("_")]
+    unknown = [k for k in given if k not in allowed]
+    if unknown:
+        return [
+            f"{group}.{k}: not a parameter of {target} (allowed: {', '.join(allowed[extra_args:]) or 'none'})"
+            for k in unknown
+        ]
+    return []
+
+
+def validate(resolved: dict) -> None:
+    """Raise ConfigError listing every problem in a resolved config (a plain dict)."""
+    problems = []
+    problems += _check_loader(LoaderConfig(**resolved["loader"]))
+    problems += _check_trainer(TrainerConfig(**resolved["trainer"]))
+    problems += _check_tracking(TrackingConfig(**resolved["tracking"]))
+    problems += _check_target("dataset", resolved["dataset"])
+    problems += _check_target("model", resolved["model"])
+    # optimizers take the parameters first (a partial): skip it in the 'allowed' listing
+    problems += _check_target("optim", resolved["optim"], extra_args=1)
+    optim = resolved["optim"]
+    if isinstance(optim.get("lr"), (int, float)) and optim["lr"] <= 0:
+        problems.append(f"optim.lr={optim['lr']}: must be > 0")
+    if problems:
+        raise ConfigError(problems)

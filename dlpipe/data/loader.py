@@ -1,0 +1,111 @@
+"""Build DataLoaders with consistent settings, and estimate the memory they hold.
+
+PyTorch raises deep inside DataLoader for combinations that a config can easily produce (a
+prefetch_factor with 0 workers, persistent workers with none to keep); here they are normalised
+and every change is returned as a note for the run log.
+"""
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+@dataclass(frozen=True)
+class LoaderPlan:
+    """The DataLoader that was built plus what it holds in memory and what was changed."""
+
+    loader: DataLoader
+    notes: list[str]
+    batch_bytes: int
+    """Bytes of one collated batch (measured on the first item)."""
+    inflight_bytes: int
+    """Bytes the workers hold ready: num_workers x prefetch_factor x batch_bytes."""
+
+
+def seed_worker(worker_id: int) -> None:
+    """Seed Python and NumPy in each worker from the seed torch gives that worker.
+
+    torch seeds its own RNG per worker (base_seed + worker_id) but not `random` or NumPy, so
+    without this every worker of a forked process would draw the same augmentations.
+    """
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def sample_bytes(dataset: Dataset) -> int:
+    """Bytes of the tensors/arrays in one item (0 if the dataset is empty or not introspectable)."""
+    if len(dataset) == 0:  # type: ignore[arg-type]
+        return 0
+    return _nbytes(dataset[0])
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.element_size() * obj.nelement()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(o) for o in obj.values())
+    if isinstance(obj, (int, float, bool)):
+        return 8  # collated into an int64/float64 tensor
+    return 0
+
+
+def build_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    num_workers: int,
+    pin_memory: bool,
+    prefetch_factor: int | None,
+    persistent_workers: bool,
+    shuffle: bool,
+    drop_last: bool,
+    timeout: float,
+    multiprocessing_context: str | None,
+    seed: int,
+    cuda: bool,
+    role: str = "train",
+) -> LoaderPlan:
+    """A DataLoader for `dataset`; `cuda` says whether batches will go to a CUDA device."""
+    notes = []
+    if num_workers == 0:
+        if prefetch_factor is not None:
+            notes.append(f"loader.prefetch_factor={prefetch_factor} ignored: it needs num_workers > 0")
+            prefetch_factor = None
+        if persistent_workers:
+            notes.append("loader.persistent_workers=true ignored: there are no workers to keep (num_workers=0)")
+            persistent_workers = False
+        if multiprocessing_context is not None:
+            notes.append(f"loader.multiprocessing_context={multiprocessing_context} ignored: num_workers=0")
+            multiprocessing_context = None
+    if pin_memory and not cuda:
+        notes.append("loader.pin_memory=true turned off: pinned memory only speeds up copies to a CUDA device")
+        pin_memory = False
+
+    # The generator fixes the shuffling order and the per-worker base seeds for a given seed.
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
+        timeout=timeout,
+        multiprocessing_context=multiprocessing_context,
+        worker_init_fn=seed_worker if num_workers > 0 else None,
+        generator=generator,
+    )
+    batch = sample_bytes(dataset) * batch_size
+    inflight = num_workers * (prefetch_factor or 0) * batch
+    return LoaderPlan(loader, [f"{role}: {n}" for n in notes], batch, inflight)

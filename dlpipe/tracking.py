@@ -1,0 +1,132 @@
+"""MLflow runs: params, tags, metrics, artifacts, and the parent/child link of sweeps.
+
+mlflow is imported only when a run starts (it costs 1-2 s). Metrics go through MLflow's
+asynchronous queue (`synchronous=False`): a synchronous write to SQLite costs 2.5-16 ms, which the
+training loop must never wait for. Runs always end FINISHED, FAILED or KILLED.
+"""
+
+import logging
+import os
+import time
+
+from dlpipe.errors import DlpipeError
+
+log = logging.getLogger(__name__)
+
+MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
+MAX_PARAM_CHARS = 6000  # MLflow 3's param value limit
+PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
+
+
+class Terminated(BaseException):
+    """Raised in the main thread by SIGTERM so the run ends KILLED (BaseException: never swallowed)."""
+
+
+def client_for(uri: str, timeout_s: float, retries: int):
+    """An MlflowClient whose HTTP calls fail in seconds, not MLflow's default of minutes."""
+    # MLflow reads these when it builds each request session; an explicit environment wins.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(timeout_s, 1))))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(retries))
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # schema migrations of a new SQLite store
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            raise DlpipeError(f"tracking.experiment={name}: this experiment is deleted; restore it or pick another name")
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:  # another sweep job created it between our lookup and create
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def _clip(value) -> str:
+    text = str(value)
+    return text if len(text) <= MAX_PARAM_CHARS else text[: MAX_PARAM_CHARS - 3] + "..."
+
+
+class MlflowRun:
+    """One MLflow run, used as a context manager that always ends it with an honest status."""
+
+    def __init__(self, uri: str, experiment: str, run_name: str | None, tags: dict[str, str],
+                 parent_run_id: str | None = None, timeout_s: float = 10.0, retries: int = 2):
+        self.uri = uri
+        self.client = client_for(uri, timeout_s, retries)
+        self.experiment_id = experiment_id(self.client, experiment)
+        tags = dict(tags)
+        if parent_run_id:
+            tags[PARENT_TAG] = parent_run_id
+        self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+        self.status: str | None = None
+
+    def log_params(self, params: dict[str, object]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, _clip(v)) for k, v in sorted(params.items())]
+        for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, _clip(v)) for k, v in tags.items()])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items()]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch, synchronous=False)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def end(self, status: str, reason: str | None = None) -> None:
+        import mlflow
+
+        mlflow.flush_async_logging()  # queued metrics land before the run is marked ended
+        if reason:
+            self.set_tags({"dlpipe.end_reason": reason})
+        self.client.set_terminated(self.run_id, status)
+        self.status = status
+
+    def __enter__(self) -> "MlflowRun":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.end("FINISHED")
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.end("KILLED", "interrupted (Ctrl-C)")
+        elif issubclass(exc_type, Terminated):
+            self.end("KILLED", "terminated (SIGTERM)")
+        else:
+            self.end("FAILED", f"{exc_type.__name__}: {exc}")
+        return False  # never swallow the exception
+
+
+class NullRun:
+    """tracking=none: the same interface, recording nothing."""
+
+    run_id = None
+    status = None
+
+    def log_params(self, params): ...
+    def set_tags(self, tags): ...
+    def log_metrics(self, metrics, step): ...
+    def log_text(self, text, artifact_file): ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,282 @@
+"""Built-in datasets and the train/val split: real JPEG bytes, real files on disk, real DataLoader workers."""
+
+import io
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from dlpipe.data.sequences import TokenSequenceDataset
+from dlpipe.data.split import train_val_split
+from dlpipe.data.tabular import TabularDataset
+from dlpipe.data.vision import ImageFolderDataset, SyntheticJPEGDataset
+from dlpipe.errors import DataError
+
+
+def small_jpeg(**kwargs) -> SyntheticJPEGDataset:
+    return SyntheticJPEGDataset(**{"size": 16, "image_size": 32, "crop_size": 24, "num_classes": 4, **kwargs})
+
+
+def raises_data_error(match: str, fn, *args, **kwargs) -> str:
+    """Call fn, expect a one-line DataError containing `match`, return its message."""
+    with pytest.raises(DataError) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    assert match in message
+    assert "\n" not in message
+    return message
+
+
+# --- SyntheticJPEGDataset -------------------------------------------------------------------------
+
+
+def test_synthetic_stores_real_jpeg_bytes_that_decode_to_the_image_size():
+    ds = small_jpeg()
+    assert len(ds) == 16 and len(ds.jpegs) == 16
+    assert all(isinstance(b, bytes) and b.startswith(b"\xff\xd8") for b in ds.jpegs)
+    with Image.open(io.BytesIO(ds.jpegs[0])) as img:
+        assert img.format == "JPEG" and img.size == (32, 32)
+
+
+def test_synthetic_item_shape_dtype_label_and_normalisation():
+    ds = small_jpeg(augment=False)
+    assert ds.num_classes == 4
+    labels = set()
+    for i in range(len(ds)):
+        x, y = ds[i]
+        assert x.shape == (3, 24, 24) and x.dtype == torch.float32
+        assert type(y) is int and 0 <= y < 4
+        labels.add(y)
+        # Normalised, not raw [0, 255] or [0, 1] pixels: ImageNet stats bound values to about [-2.2, 2.7].
+        assert x.min() >= -2.2 and x.max() <= 2.7 and x.min() < 0
+    assert labels == {0, 1, 2, 3}
+
+
+def test_synthetic_generation_is_seeded():
+    assert small_jpeg(seed=3).jpegs == small_jpeg(seed=3).jpegs
+    assert small_jpeg(seed=3).jpegs != small_jpeg(seed=4).jpegs
+
+
+def test_augment_false_is_deterministic_and_augment_true_varies():
+    plain = small_jpeg(augment=False)
+    assert torch.equal(plain[5][0], plain[5][0])
+    augmented = small_jpeg(augment=True)
+    draws = [augmented[5][0] for _ in range(4)]
+    assert any(not torch.equal(draws[0], d) for d in draws[1:])
+    # Augmentation follows torch's RNG, so a seeded run repeats exactly.
+    torch.manual_seed(11)
+    first = augmented[5][0]
+    torch.manual_seed(11)
+    assert torch.equal(first, augmented[5][0])
+
+
+def load_index_zero_in_two_workers(ds) -> list[torch.Tensor]:
+    # batch_size=1 and sampler [0, 0]: batch 0 goes to worker 0 and batch 1 to worker 1.
+    loader = DataLoader(ds, batch_size=1, sampler=[0, 0], num_workers=2)
+    return [x[0] for x, _ in loader]
+
+
+def test_dataloader_workers_augment_differently_and_reproducibly():
+    ds = small_jpeg(augment=True)
+    torch.manual_seed(0)
+    first = load_index_zero_in_two_workers(ds)
+    assert first[0].shape == (3, 24, 24)
+    # An RNG created in __init__ would be forked into both workers and give identical crops here.
+    assert not torch.equal(first[0], first[1])
+    torch.manual_seed(0)
+    again = load_index_zero_in_two_workers(ds)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_synthetic_dataset_is_picklable():
+    ds = small_jpeg(augment=False)
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.jpegs == ds.jpegs and copy.labels == ds.labels
+    assert torch.equal(copy[3][0], ds[3][0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"crop_size": 40}, "dataset.crop_size=40"),
+        ({"size": 0}, "dataset.size=0"),
+        ({"num_classes": 1}, "dataset.num_classes=1"),
+        ({"quality": 0}, "dataset.quality=0"),
+    ],
+)
+def test_synthetic_rejects_bad_parameters(kwargs, match):
+    raises_data_error(match, small_jpeg, **kwargs)
+
+
+# --- ImageFolderDataset ---------------------------------------------------------------------------
+
+
+def write_image(path, size=(40, 30), colour=(200, 30, 30)):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path)
+
+
+@pytest.fixture
+def image_tree(tmp_path):
+    root = tmp_path / "images"
+    write_image(root / "dog" / "b.png", size=(30, 60))  # portrait: resize must handle either side
+    write_image(root / "cat" / "a.JPG")  # upper-case extension still counts
+    write_image(root / "cat" / "nested" / "c.jpeg")
+    (root / "cat" / "notes.txt").write_text("not an image")
+    return root
+
+
+def test_image_folder_classes_samples_and_items(image_tree):
+    ds = ImageFolderDataset(str(image_tree), image_size=32, crop_size=24, augment=False)
+    assert ds.classes == ["cat", "dog"] and ds.num_classes == 2
+    assert len(ds) == 3
+    assert [os.path.basename(p) for p, _ in ds.samples] == ["a.JPG", "c.jpeg", "b.png"]
+    assert [label for _, label in ds.samples] == [0, 0, 1]
+    for i in range(len(ds)):
+        x, y = ds[i]
+        assert x.shape == (3, 24, 24) and x.dtype == torch.float32 and y == ds.samples[i][1]
+    red = ds[0][0].mean(dim=(1, 2))
+    assert red[0] > red[1] and red[0] > red[2]  # pixels really come from the file
+    augmented = ImageFolderDataset(str(image_tree), image_size=32, crop_size=24, augment=True)
+    assert augmented[2][0].shape == (3, 24, 24)
+    assert pickle.loads(pickle.dumps(ds)).samples == ds.samples
+
+
+def test_image_folder_extensions_filter(image_tree):
+    ds = ImageFolderDataset(str(image_tree), extensions=[".PNG", ".jpeg"], image_size=32, crop_size=24)
+    assert ds.extensions == (".png", ".jpeg")
+    assert sorted(os.path.basename(p) for p, _ in ds.samples) == ["b.png", "c.jpeg"]
+
+
+def test_image_folder_missing_root(tmp_path):
+    missing = tmp_path / "nope"
+    message = raises_data_error("does not exist", ImageFolderDataset, str(missing))
+    assert f"dataset.root={str(missing)!r}" in message
+
+
+def test_image_folder_root_is_a_file(tmp_path):
+    file = tmp_path / "file.jpg"
+    file.write_bytes(b"x")
+    raises_data_error("is a file", ImageFolderDataset, str(file))
+
+
+def test_image_folder_without_class_subfolders(tmp_path):
+    write_image(tmp_path / "loose.png")  # an image directly in root is not a class
+    raises_data_error("no class subfolders", ImageFolderDataset, str(tmp_path))
+
+
+def test_image_folder_without_matching_images(tmp_path):
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "a.txt").write_text("x")
+    write_image(tmp_path / "dog" / "b.png")
+    message = raises_data_error("no images with extensions", ImageFolderDataset, str(tmp_path), extensions=[".jpg"])
+    assert ".jpg" in message
+
+
+def test_image_folder_with_an_empty_class(tmp_path):
+    write_image(tmp_path / "cat" / "a.png")
+    (tmp_path / "dog").mkdir()
+    raises_data_error("without images", ImageFolderDataset, str(tmp_path))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads folders regardless of permissions")
+def test_image_folder_unreadable_root(tmp_path):
+    write_image(tmp_path / "cat" / "a.png")
+    tmp_path.chmod(0)
+    try:
+        raises_data_error("permission denied", ImageFolderDataset, str(tmp_path))
+    finally:
+        tmp_path.chmod(0o755)
+
+
+@pytest.mark.parametrize("content", ["garbage", "truncated"])
+def test_image_folder_corrupt_file_names_path_and_index(tmp_path, content):
+    write_image(tmp_path / "cat" / "a.png")
+    bad = tmp_path / "dog" / "bad.jpg"
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buf, "JPEG")
+    bad.parent.mkdir()
+    bad.write_bytes(b"not a jpeg at all" if content == "garbage" else buf.getvalue()[:600])
+    ds = ImageFolderDataset(str(tmp_path), image_size=32, crop_size=24)  # listing does not decode
+    message = raises_data_error(str(bad), ds.__getitem__, 1)
+    assert "index 1" in message
+
+
+def test_image_folder_rejects_crop_larger_than_image(image_tree):
+    raises_data_error("dataset.crop_size=64", ImageFolderDataset, str(image_tree), image_size=32, crop_size=64)
+
+
+# --- TokenSequenceDataset and TabularDataset ------------------------------------------------------
+
+
+def test_token_sequences_shift_by_one():
+    ds = TokenSequenceDataset(size=10, seq_len=16, vocab_size=20)
+    assert len(ds) == 10 and ds.num_classes == 20
+    x, y = ds[3]
+    assert x.shape == y.shape == (16,) and x.dtype == y.dtype == torch.long
+    assert torch.equal(x[1:], y[:-1])
+    assert int(ds.tokens.min()) >= 0 and int(ds.tokens.max()) < 20
+    assert torch.equal(TokenSequenceDataset(size=10, seq_len=16, vocab_size=20).tokens, ds.tokens)
+
+
+def test_token_sequences_follow_a_sparse_chain():
+    ds = TokenSequenceDataset(size=200, seq_len=32, vocab_size=64)
+    pairs = torch.stack([ds.tokens[:, :-1].flatten(), ds.tokens[:, 1:].flatten()], dim=1)
+    successors = {}
+    for a, b in pairs.unique(dim=0).tolist():
+        successors.setdefault(a, set()).add(b)
+    # Learnable: every token has at most a handful of successors out of 64.
+    assert max(len(s) for s in successors.values()) <= 4
+
+
+def test_token_sequences_reject_bad_parameters():
+    raises_data_error("dataset.vocab_size=1", TokenSequenceDataset, vocab_size=1)
+    raises_data_error("dataset.seq_len=0", TokenSequenceDataset, seq_len=0)
+
+
+def test_tabular_shapes_and_labels():
+    ds = TabularDataset(size=100, num_features=8, num_classes=3)
+    assert len(ds) == 100 and ds.num_classes == 3
+    x, y = ds[0]
+    assert x.shape == (8,) and x.dtype == torch.float32
+    assert type(y) is int
+    assert set(ds.labels.tolist()) == {0, 1, 2}
+    assert pickle.loads(pickle.dumps(ds))[7][1] == ds[7][1]
+    raises_data_error("dataset.noise=-1", TabularDataset, noise=-1)
+
+
+# --- train_val_split ------------------------------------------------------------------------------
+
+
+def test_split_sizes_and_disjointness():
+    ds = TabularDataset(size=100, num_features=4)
+    train, val = train_val_split(ds, 0.2, seed=0)
+    assert (len(train), len(val)) == (80, 20)
+    assert set(train.indices).isdisjoint(val.indices) and len(set(train.indices) | set(val.indices)) == 100
+    _, tiny_val = train_val_split(ds, 0.001, seed=0)
+    assert len(tiny_val) == 1  # never an empty validation set
+
+
+def test_split_is_deterministic_per_seed_and_ignores_global_rng():
+    ds = TabularDataset(size=50, num_features=4)
+    torch.manual_seed(1)
+    a = train_val_split(ds, 0.3, seed=7)[1].indices
+    torch.manual_seed(2)
+    assert train_val_split(ds, 0.3, seed=7)[1].indices == a
+    assert train_val_split(ds, 0.3, seed=8)[1].indices != a
+
+
+def test_split_zero_returns_the_dataset():
+    ds = TabularDataset(size=10, num_features=4)
+    train, val = train_val_split(ds, 0.0, seed=0)
+    assert train is ds and val is None
+
+
+def test_split_errors_name_the_key():
+    ds = TabularDataset(size=1, num_features=4)
+    raises_data_error("trainer.val_fraction=0.5", train_val_split, ds, 0.5, 0)
+    raises_data_error("trainer.val_fraction=1.0", train_val_split, ds, 1.0, 0)
