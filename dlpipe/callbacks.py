@@ -32,20 +32,25 @@ COLUMNS = [
 ]
 
 
-def sweep_table(children) -> tuple[str, object | None]:
-    """A markdown table of child runs (overrides vs their last epoch's metrics) and the fastest run."""
+def sweep_table(children) -> tuple[str, object | None, str]:
+    """A markdown table of child runs (overrides vs their last epoch's metrics), the fastest run and its name."""
     header = "| job | status | " + " | ".join(t for t, _ in COLUMNS) + " |"
     lines = [header, "|" + "---|" * (len(COLUMNS) + 2)]
     ordered = sorted(children, key=lambda r: r.info.start_time)
-    for r in ordered:
+    # Name each job by what the sweep varied: overrides shared by every job are noise in the table.
+    overrides = [r.data.tags.get("dlpipe.overrides", "").split() for r in ordered]
+    common = set.intersection(*map(set, overrides)) if overrides else set()
+    names = {}
+    for r, own in zip(ordered, overrides):
         cells = []
         for _, key in COLUMNS:
             v = r.data.metrics.get(key)
             cells.append("-" if v is None else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}")
-        lines.append(f"| {r.data.tags.get('dlpipe.overrides', r.info.run_name)} | {r.info.status} | " + " | ".join(cells) + " |")
+        name = names[r.info.run_id] = " ".join(o for o in own if o not in common) or r.info.run_name
+        lines.append(f"| {name} | {r.info.status} | " + " | ".join(cells) + " |")
     finished = [r for r in ordered if r.info.status == "FINISHED" and "samples_per_s" in r.data.metrics]
     best = max(finished, key=lambda r: r.data.metrics["samples_per_s"], default=None)
-    return "\n".join(lines), best
+    return "\n".join(lines), best, names[best.info.run_id] if best else ""
 
 
 class SweepTracking(Callback):
@@ -77,13 +82,13 @@ class SweepTracking(Callback):
         os.environ.pop(PARENT_RUN_ENV, None)
         exp_id = self.client.get_run(self.parent_id).info.experiment_id
         children = self.client.search_runs([exp_id], filter_string=f"tags.`{PARENT_TAG}` = '{self.parent_id}'", max_results=10000)
-        table, best = sweep_table(children)
+        table, best, best_name = sweep_table(children)
         self.client.log_text(self.parent_id, table + "\n", "sweep_summary.md")
-        print("\nsweep summary (fastest first by samples/s is marked below)\n" + table, flush=True)
+        print(f"\nsweep summary ({len(children)} jobs, last epoch of each)\n" + table, flush=True)
         failed = sum(r.info.status != "FINISHED" for r in children)
         tags = {"dlpipe.jobs": str(len(children)), "dlpipe.failed_jobs": str(failed)}
         if best is not None:
-            tags["dlpipe.best_job"] = best.data.tags.get("dlpipe.overrides", best.info.run_name)
+            tags["dlpipe.best_job"] = best_name
             tags["dlpipe.best_run_id"] = best.info.run_id
             self.client.log_metric(self.parent_id, "best_samples_per_s", best.data.metrics["samples_per_s"])
             print(f"best job: {tags['dlpipe.best_job']} ({best.data.metrics['samples_per_s']:.1f} samples/s)", flush=True)

@@ -1,0 +1,47 @@
+"""Shared fixtures: run the real `dlpipe` command in a subprocess against a real MLflow store."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def mlflow_store(tmp_path_factory) -> str:
+    """One SQLite store for the session (creating one costs seconds); tests use their own experiment."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def dlpipe(tmp_path):
+    """Run `python -m dlpipe ARGS` in tmp_path (no checkout on the path: the installed package's conf is used)."""
+
+    def run(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD"))}
+        full_env["PYTHONPATH"] = str(TESTS_DIR)  # for tests/faulty_data.py datasets
+        full_env.update(env or {})
+        return subprocess.run(
+            [sys.executable, "-m", "dlpipe", *args], cwd=tmp_path, env=full_env,
+            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        )
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def mlflow_client(mlflow_store):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=mlflow_store)
+
+
+def runs_of(client, experiment: str):
+    """All runs of an experiment (empty list when the experiment does not exist)."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    return client.search_runs([exp.experiment_id], max_results=1000)

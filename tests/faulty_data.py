@@ -1,0 +1,39 @@
+"""Datasets that fail or stall on purpose, importable by a dlpipe subprocess (PYTHONPATH=tests)."""
+
+import time
+
+import torch
+from torch.utils.data import Dataset
+
+
+class ExplodingDataset(Dataset):
+    """Raises RuntimeError at item `bad_index`: a run must end FAILED, not RUNNING."""
+
+    num_classes = 2
+
+    def __init__(self, size: int = 64, bad_index: int = 40):
+        self.size, self.bad_index = size, bad_index
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        if i == self.bad_index:
+            raise RuntimeError(f"sample {i} is corrupt")
+        return torch.randn(4), i % 2
+
+
+class SlowDataset(Dataset):
+    """Sleeps per item so a run stays alive long enough to be interrupted."""
+
+    num_classes = 2
+
+    def __init__(self, size: int = 100000, delay_s: float = 0.01):
+        self.size, self.delay_s = size, delay_s
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        time.sleep(self.delay_s)
+        return torch.randn(4), i % 2

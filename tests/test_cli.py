@@ -1,0 +1,217 @@
+"""End to end through the real `dlpipe` command (Hydra CLI in a subprocess) and a real MLflow store."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import TESTS_DIR, runs_of
+
+FAST = ["+recipe=smoke", "trainer.progress=false"]
+# The user's own config folder (--config-dir) adds dataset options; the MLP takes num_classes from the dataset.
+# (argparse wants the option before the overrides.)
+FAULTY = ["--config-dir", str(TESTS_DIR / "conf"), "trainer.progress=false", "model=mlp", "model.in_features=4"]
+EPOCH_METRICS = {"epoch_time_s", "samples_per_s", "data_wait_frac", "train_loss", "val_loss",
+                 "val_accuracy", "cpu_util", "rss_mb", "first_batch_s"}
+
+
+def test_smoke_run_is_recorded_in_mlflow(dlpipe, mlflow_store, mlflow_client):
+    """A default run trains and leaves one FINISHED run with per-epoch metrics, params, tags, config artifact."""
+    r = dlpipe(*FAST, f"tracking.uri={mlflow_store}", "tracking.experiment=smoke")
+    assert r.returncode == 0, r.stderr
+    assert "train loss" in r.stdout  # the end-of-run summary table
+    [run] = runs_of(mlflow_client, "smoke")
+    assert run.info.status == "FINISHED"
+    assert EPOCH_METRICS <= set(run.data.metrics)
+    history = mlflow_client.get_metric_history(run.info.run_id, "samples_per_s")
+    assert sorted(m.step for m in history) == [1, 2]  # one value per epoch
+    assert "gpu_util" not in run.data.metrics or run.data.params["gpu.count"] != "0"  # never a fake 0%
+    p = run.data.params
+    assert p["loader.num_workers"].isdigit() and p["cpu.budget"].isdigit()
+    assert p["auto.loader.num_workers"].startswith(p["loader.num_workers"] + " (auto: CPU budget")
+    assert p["dataset._target_"] == "dlpipe.data.vision.SyntheticJPEGDataset"
+    assert run.data.tags["dlpipe.recipe"] == "smoke"
+    assert "trainer.progress=false" in run.data.tags["dlpipe.overrides"]
+    artifacts = [a.path for a in mlflow_client.list_artifacts(run.info.run_id, "config")]
+    assert artifacts == ["config/resolved.yaml"]
+    text = mlflow_client.download_artifacts(run.info.run_id, "config/resolved.yaml")
+    assert "${" not in open(text).read()  # resolved, unlike Hydra's .hydra/config.yaml
+
+
+def test_multirun_makes_parent_with_child_runs(dlpipe, mlflow_store, mlflow_client):
+    """A 2-job sweep is one parent run with two children linked by mlflow.parentRunId, plus a summary."""
+    r = dlpipe("--multirun", *FAST, "loader.num_workers=0,1", "trainer.epochs=1",
+               f"tracking.uri={mlflow_store}", "tracking.experiment=sweep")
+    assert r.returncode == 0, r.stderr
+    runs = runs_of(mlflow_client, "sweep")
+    [parent] = [x for x in runs if x.data.tags.get("dlpipe.role") == "sweep"]
+    children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 2 and len(runs) == 3
+    assert sorted(c.data.params["loader.num_workers"] for c in children) == ["0", "1"]
+    assert all(c.info.status == "FINISHED" for c in children)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["dlpipe.jobs"] == "2"
+    assert parent.data.tags["dlpipe.best_job"] in ("loader.num_workers=0", "loader.num_workers=1")
+    assert "best_samples_per_s" in parent.data.metrics
+    summary = open(mlflow_client.download_artifacts(parent.info.run_id, "sweep_summary.md")).read()
+    assert "loader.num_workers=0" in summary and "loader.num_workers=1" in summary
+    assert "sweep summary (2 jobs" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("loader.num_workers=-1", "loader.num_workers=-1: must be >= 0"),
+        ("loader.batch_size=0", "loader.batch_size=0: must be >= 1"),
+        ("trainer.accumulate=0", "trainer.accumulate=0: must be >= 1"),
+        ("loader.prefetch_factor=0", "loader.prefetch_factor=0: must be >= 1"),
+        ("trainer.amp=fp8", "trainer.amp=fp8: allowed: off, bf16, fp16"),
+        ("dataset._target_=nopkg.Data", "dataset._target_=nopkg.Data: cannot be imported"),
+        ("+dataset.colour=red", "dataset.colour: not a parameter of dlpipe.data.vision.SyntheticJPEGDataset"),
+        ("dataset.crop_size=99", "crop_size"),
+    ],
+)
+def test_bad_values_fail_before_tracking(dlpipe, mlflow_store, mlflow_client, override, expected):
+    """Out-of-range or unusable values exit 2 with one line naming key and value, and leave no MLflow run."""
+    exp = "bad-" + override.split("=")[0].strip("+")
+    r = dlpipe(*FAST, override, f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error: ")]
+    assert len(errors) == 1 and expected in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert runs_of(mlflow_client, exp) == []
+
+
+def test_all_problems_reported_together(dlpipe):
+    """Several bad values are collected into one error, one line each."""
+    r = dlpipe(*FAST, "tracking=none", "loader.num_workers=-2", "loader.batch_size=0", "trainer.epochs=0")
+    assert r.returncode == 2
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error: ")]
+    assert len(errors) == 3, r.stderr
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("loader.num_workerz=2", "num_workerz"),  # typo in a typed group
+        ("loader.batch_size=abc", "batch_size"),  # wrong type
+        ("+recipe=nope", "Available options in 'recipe'"),
+        ("model=nope", "Available options in 'model'"),
+    ],
+)
+def test_composition_errors_name_the_key(dlpipe, override, expected):
+    """Hydra-level mistakes fail before the job starts, naming the key or listing the options."""
+    args = [a for a in FAST if not a.startswith("+recipe")] if override.startswith("+recipe") else FAST
+    r = dlpipe(*args, override, "tracking=none")
+    assert r.returncode != 0
+    assert expected in r.stderr
+    if override == "+recipe=nope":
+        for name in ("nlp", "smoke", "tabular", "vision"):
+            assert name in r.stderr
+
+
+def test_missing_image_folder_is_a_clear_error(dlpipe, tmp_path):
+    """dataset=image_folder names the missing folder; without a root it says the key is mandatory."""
+    r = dlpipe("dataset=image_folder", "tracking=none", f"dataset.root={tmp_path / 'nope'}")
+    assert r.returncode == 2 and "does not exist" in r.stderr and str(tmp_path / "nope") in r.stderr
+    r = dlpipe("dataset=image_folder", "tracking=none")
+    assert r.returncode == 2 and "dataset.root" in r.stderr
+
+
+def test_cfg_job_resolve_shows_final_values(dlpipe):
+    """--cfg job --resolve prints concrete numbers for every automatic value."""
+    r = dlpipe("+recipe=vision", "--cfg", "job", "--resolve")
+    assert r.returncode == 0, r.stderr
+    assert "${" not in r.stdout
+    assert "num_workers: " in r.stdout and "device: cpu" in r.stdout
+
+
+def test_tracking_none_writes_no_store(dlpipe, tmp_path):
+    """tracking=none trains without creating an MLflow store."""
+    r = dlpipe(*FAST, "tracking=none", "trainer.epochs=1")
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
+
+
+def test_default_store_is_sqlite_in_working_dir(dlpipe, tmp_path):
+    """Without a URI, runs land in ./mlflow.db where `mlflow ui` looks for them."""
+    r = dlpipe(*FAST, "trainer.epochs=1")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "mlflow.db").exists()
+
+
+def test_exception_mid_training_ends_run_failed(dlpipe, mlflow_store, mlflow_client):
+    """An exception in a dataset item ends the run FAILED with the reason tagged, never RUNNING."""
+    r = dlpipe(*FAULTY, "dataset=exploding", "loader.num_workers=0",
+               f"tracking.uri={mlflow_store}", "tracking.experiment=explode")
+    assert r.returncode != 0
+    [run] = runs_of(mlflow_client, "explode")
+    assert run.info.status == "FAILED"
+    assert "sample 40 is corrupt" in run.data.tags["dlpipe.end_reason"]
+
+
+@pytest.mark.parametrize("sig, status_reason", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_signal_ends_run_killed(tmp_path, mlflow_store, mlflow_client, sig, status_reason):
+    """Ctrl-C and SIGTERM during training end the MLflow run KILLED, and the process exits non-zero."""
+    exp = f"signal-{sig.name}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["PYTHONPATH"] = str(TESTS_DIR)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlpipe", *FAULTY, "dataset=slow", "loader.num_workers=0",
+         f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            runs = runs_of(mlflow_client, exp)
+            if runs and runs[0].info.status == "RUNNING":
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.5)
+        time.sleep(1.0)  # let it get into the training loop
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    [run] = runs_of(mlflow_client, exp)
+    assert run.info.status == "KILLED", err
+    assert status_reason in run.data.tags["dlpipe.end_reason"]
+
+
+@pytest.mark.parametrize("recipe", ["vision", "nlp", "tabular", "smoke"])
+def test_every_recipe_runs_end_to_end(dlpipe, recipe):
+    """Each shipped recipe composes, builds and trains (cut to a few batches)."""
+    r = dlpipe(f"+recipe={recipe}", "tracking=none", "trainer.epochs=1", "trainer.limit_train_batches=3",
+               "trainer.limit_val_batches=2", "trainer.progress=false")
+    assert r.returncode == 0, r.stderr
+    assert "val loss" in r.stdout
+
+
+def test_user_recipe_folder_from_environment(dlpipe, tmp_path):
+    """A recipe in a $DLPIPE_RECIPE_PATH folder is usable as +recipe=NAME without touching the package."""
+    mine = tmp_path / "my_recipes"
+    mine.mkdir()
+    (mine / "mine.yaml").write_text(
+        "# dlpipe +recipe=mine\n# @package _global_\ndefaults:\n  - override /dataset: tabular\n"
+        "  - override /model: mlp\n  - override /loader: in_memory\ntrainer:\n  epochs: 1\n"
+    )
+    r = dlpipe("+recipe=mine", "--cfg", "job", env={"DLPIPE_RECIPE_PATH": str(mine)})
+    assert r.returncode == 0, r.stderr
+    assert "TabularDataset" in r.stdout and "epochs: 1" in r.stdout
+    r = dlpipe("+recipe=mine", "--cfg", "job", env={"DLPIPE_RECIPE_PATH": str(tmp_path / "missing")})
+    assert r.returncode == 2 and "DLPIPE_RECIPE_PATH" in r.stderr
+
+
+def test_help_lists_groups_and_recipes(dlpipe):
+    """--help shows every config group, recipes included."""
+    r = dlpipe("--help")
+    assert r.returncode == 0
+    assert "recipe: nlp, smoke, tabular, vision" in r.stdout
+    assert "loader: auto, in_memory, pytorch" in r.stdout
