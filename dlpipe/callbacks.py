@@ -8,6 +8,7 @@ Hydra turns exceptions in callbacks into warnings, so a failure here never stops
 tests check the parent/child link in a real store to catch a silently broken callback.
 """
 
+import atexit
 import logging
 import os
 
@@ -57,6 +58,7 @@ class SweepTracking(Callback):
     def __init__(self) -> None:
         self.client = None
         self.parent_id: str | None = None
+        self.failed_jobs: list[str] = []
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         tracking = OmegaConf.to_container(config.tracking, resolve=True)
@@ -73,26 +75,49 @@ class SweepTracking(Callback):
                   "dlpipe.sweep_dir": str(config.hydra.sweep.dir)},
         )
         self.parent_id = run.info.run_id
+        self.failed_jobs: list[str] = []
         os.environ[PARENT_RUN_ENV] = self.parent_id
+        atexit.register(self._finish)
         log.info("sweep parent MLflow run %s", self.parent_id)
 
+    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        # Runs in this process for the basic launcher; jobs that fail before creating a run
+        # (bad values) are only visible here.
+        from hydra.core.utils import JobStatus
+
+        if job_return.status == JobStatus.FAILED:
+            self.failed_jobs.append(" ".join(job_return.overrides or []))
+
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        self._finish(ended_cleanly=True)
+
+    def _finish(self, ended_cleanly: bool = False) -> None:
+        """Summarise the children into the parent and end it.
+
+        Hydra's sweeper raises the first failed job's exception *before* on_multirun_end, so this
+        also runs at interpreter exit (atexit) to end the parent instead of leaving it RUNNING.
+        """
         if self.parent_id is None:
             return
+        atexit.unregister(self._finish)
         os.environ.pop(PARENT_RUN_ENV, None)
-        exp_id = self.client.get_run(self.parent_id).info.experiment_id
-        children = self.client.search_runs([exp_id], filter_string=f"tags.`{PARENT_TAG}` = '{self.parent_id}'", max_results=10000)
+        parent, self.parent_id = self.parent_id, None
+        exp_id = self.client.get_run(parent).info.experiment_id
+        children = self.client.search_runs([exp_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'", max_results=10000)
         table, best, best_name = sweep_table(children)
-        self.client.log_text(self.parent_id, table + "\n", "sweep_summary.md")
-        print(f"\nsweep summary ({len(children)} jobs, last epoch of each)\n" + table, flush=True)
-        failed = sum(r.info.status != "FINISHED" for r in children)
+        self.client.log_text(parent, table + "\n", "sweep_summary.md")
+        print(f"\nsweep summary ({len(children)} runs, last epoch of each)\n" + table, flush=True)
+        failed = sum(r.info.status != "FINISHED" for r in children) + len(self.failed_jobs)
         tags = {"dlpipe.jobs": str(len(children)), "dlpipe.failed_jobs": str(failed)}
+        if self.failed_jobs:
+            tags["dlpipe.failed_overrides"] = " | ".join(self.failed_jobs)
+        if not ended_cleanly:
+            tags["dlpipe.end_reason"] = "the sweep stopped early: a job failed or it was interrupted"
         if best is not None:
             tags["dlpipe.best_job"] = best_name
             tags["dlpipe.best_run_id"] = best.info.run_id
-            self.client.log_metric(self.parent_id, "best_samples_per_s", best.data.metrics["samples_per_s"])
-            print(f"best job: {tags['dlpipe.best_job']} ({best.data.metrics['samples_per_s']:.1f} samples/s)", flush=True)
+            self.client.log_metric(parent, "best_samples_per_s", best.data.metrics["samples_per_s"])
+            print(f"best job: {best_name} ({best.data.metrics['samples_per_s']:.1f} samples/s)", flush=True)
         for k, v in tags.items():
-            self.client.set_tag(self.parent_id, k, v)
-        self.client.set_terminated(self.parent_id, "FINISHED" if failed == 0 else "FAILED")
-        self.parent_id = None
+            self.client.set_tag(parent, k, v)
+        self.client.set_terminated(parent, "FINISHED" if failed == 0 and ended_cleanly else "FAILED")

@@ -140,8 +140,7 @@ class Trainer:
         # A window is the micro-batches of one optimizer step; the loss of each is scaled by its
         # share of the nominal window so gradients sum to a mean over samples (see _optimizer_step).
         batch_size = getattr(loader, "batch_size", None)  # None with a custom batch_sampler
-        nominal = s.accumulate * batch_size if batch_size else None
-        window_micro = window_samples = 0
+        window_micro = window_samples = nominal = 0
         loss_sum = torch.zeros((), device=self.device)  # stays on device: no sync per step
         seen = 0
         non_blocking = self.device.type == "cuda" and getattr(loader, "pin_memory", False)
@@ -156,11 +155,13 @@ class Trainer:
             clock.waited()
             inputs, target = to_device(batch, self.device, non_blocking)
             n = target.shape[0]
+            if window_micro == 0:
+                # samples a full window holds; from the first micro-batch when a sampler makes batches
+                nominal = s.accumulate * (batch_size or n)
             with self._autocast():
                 logits = self.model(inputs)
                 loss, _ = loss_and_correct(logits, target)
-            share = n / nominal if nominal else 1.0 / s.accumulate
-            self.scaler.scale(loss * share).backward()
+            self.scaler.scale(loss * (n / nominal)).backward()
             loss_sum += loss.detach() * n
             self._log_loss += loss.detach() * n
             self._log_samples += n
@@ -183,9 +184,9 @@ class Trainer:
         progress.close(clock.batches, stats["samples_per_s"], stats["data_wait_frac"])
         return stats
 
-    def _optimizer_step(self, window_samples: int, nominal: int | None) -> None:
+    def _optimizer_step(self, window_samples: int, nominal: int) -> None:
         s = self.settings
-        if nominal and window_samples != nominal:
+        if window_samples != nominal:
             # Partial window (end of epoch, short last batch): the per-micro-batch shares summed to
             # window_samples / nominal; rescale so the update is the mean over the samples seen.
             # (Scaling the still loss-scaled fp16 gradients is fine: the scaler divides later.)

@@ -58,7 +58,22 @@ def test_multirun_makes_parent_with_child_runs(dlpipe, mlflow_store, mlflow_clie
     assert "best_samples_per_s" in parent.data.metrics
     summary = open(mlflow_client.download_artifacts(parent.info.run_id, "sweep_summary.md")).read()
     assert "loader.num_workers=0" in summary and "loader.num_workers=1" in summary
-    assert "sweep summary (2 jobs" in r.stdout
+    assert "sweep summary (2 runs" in r.stdout
+
+
+def test_sweep_with_a_bad_job_runs_the_others_and_fails(dlpipe, mlflow_store, mlflow_client):
+    """One bad job does not stop the sweep; the sweep exits 1 and its parent run ends FAILED, not RUNNING."""
+    r = dlpipe("--multirun", *FAST, "trainer.epochs=1", "loader.num_workers=-1,0",
+               f"tracking.uri={mlflow_store}", "tracking.experiment=mixed")
+    assert r.returncode == 1
+    assert "dlpipe: error: loader.num_workers=-1: must be >= 0" in r.stderr
+    runs = runs_of(mlflow_client, "mixed")
+    [parent] = [x for x in runs if x.data.tags.get("dlpipe.role") == "sweep"]
+    [child] = [x for x in runs if x is not parent]
+    assert child.info.status == "FINISHED" and child.data.params["loader.num_workers"] == "0"
+    assert parent.info.status == "FAILED"
+    assert parent.data.tags["dlpipe.failed_jobs"] == "1"
+    assert "loader.num_workers=-1" in parent.data.tags["dlpipe.failed_overrides"]
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ prefetch_factor with 0 workers, persistent workers with none to keep); here they
 and every change is returned as a note for the run log.
 """
 
-import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,17 +22,6 @@ class LoaderPlan:
     """Bytes of one collated batch (measured on the first item)."""
     inflight_bytes: int
     """Bytes the workers hold ready: num_workers x prefetch_factor x batch_bytes."""
-
-
-def seed_worker(worker_id: int) -> None:
-    """Seed Python and NumPy in each worker from the seed torch gives that worker.
-
-    torch seeds its own RNG per worker (base_seed + worker_id) but not `random` or NumPy, so
-    without this every worker of a forked process would draw the same augmentations.
-    """
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    np.random.seed(seed)
 
 
 def sample_bytes(dataset: Dataset) -> int:
@@ -89,7 +77,9 @@ def build_loader(
         notes.append("loader.pin_memory=true turned off: pinned memory only speeds up copies to a CUDA device")
         pin_memory = False
 
-    # The generator fixes the shuffling order and the per-worker base seeds for a given seed.
+    # The generator fixes the shuffling order and the per-worker base seed; each worker then seeds
+    # torch, `random` and NumPy from base_seed + worker_id itself, so augmentations differ per
+    # worker and repeat for the same seed without a worker_init_fn.
     generator = torch.Generator()
     generator.manual_seed(seed)
     loader = DataLoader(
@@ -103,9 +93,9 @@ def build_loader(
         persistent_workers=persistent_workers,
         timeout=timeout,
         multiprocessing_context=multiprocessing_context,
-        worker_init_fn=seed_worker if num_workers > 0 else None,
         generator=generator,
     )
     batch = sample_bytes(dataset) * batch_size
-    inflight = num_workers * (prefetch_factor or 0) * batch
+    # the loader's own value: with workers and prefetch_factor=None, PyTorch prefetches 2 per worker
+    inflight = num_workers * (loader.prefetch_factor or 0) * batch
     return LoaderPlan(loader, [f"{role}: {n}" for n in notes], batch, inflight)

@@ -1,0 +1,208 @@
+"""Config composition through Hydra's compose API: every group option, every recipe, resolvers, validation."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dlpipe.cli import resolve
+from dlpipe.config import decisions
+from dlpipe.config.paths import conf_dir
+from dlpipe.config.recipes import find_recipes, register_recipes
+from dlpipe.config.resolvers import RESOLVERS, register_resolvers
+from dlpipe.config.schema import register_schemas
+from dlpipe.config.validation import validate
+from dlpipe.errors import ConfigError
+from dlpipe.job import build_data_and_model, build_loaders
+
+# Small sizes so building every option stays fast; values only, nothing structural.
+SMALL = {
+    "vision": ["dataset.size=32", "dataset.image_size=32", "dataset.crop_size=28"],
+    "tokens": ["dataset.size=32"],
+    "tabular": ["dataset.size=32"],
+}
+PAIRS = [("vision", "cnn"), ("tokens", "transformer"), ("tabular", "mlp")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    register_resolvers()
+    register_schemas()
+    register_recipes()
+
+
+def make(*overrides: str):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def test_every_conf_file_belongs_to_a_tested_option():
+    """Each YAML in conf/ is either the primary config or a group option that the tests below compose."""
+    for path in conf_dir().rglob("*.yaml"):
+        assert path.name == "config.yaml" or path.parent.name in {"dataset", "model", "loader", "optim", "trainer", "tracking"}, path
+
+
+@pytest.mark.parametrize("dataset, model", PAIRS)
+@pytest.mark.parametrize("optim", group_options("optim"))
+def test_dataset_model_optim_build(dataset, model, optim):
+    """Every dataset with its model and every optimizer composes, resolves, validates and instantiates."""
+    cfg = make(f"dataset={dataset}", f"model={model}", f"optim={optim}", *SMALL[dataset])
+    _, resolved = resolve(cfg)
+    validate(resolved)
+    train, val, net, opt = build_data_and_model(resolved)
+    assert len(train) + len(val) == 32
+    assert sum(p.numel() for p in net.parameters()) > 0
+    assert opt.param_groups[0]["lr"] == resolved["optim"]["lr"]
+
+
+@pytest.mark.parametrize("loader", group_options("loader"))
+@pytest.mark.parametrize("tracking", group_options("tracking"))
+def test_loader_and_tracking_options_build(loader, tracking):
+    """Every loader preset builds working DataLoaders; every tracking option validates."""
+    cfg = make(f"loader={loader}", f"tracking={tracking}", *SMALL["vision"], "loader.batch_size=8")
+    _, resolved = resolve(cfg)
+    validate(resolved)
+    train, val, _, _ = build_data_and_model(resolved)
+    train_plan, val_plan = build_loaders(resolved, train, val)
+    images, labels = next(iter(train_plan.loader))
+    assert images.shape[0] == labels.shape[0] == 8
+    assert train_plan.notes == [] and val_plan.notes == []  # shipped presets are consistent as they are
+
+
+def test_image_folder_option(tmp_path):
+    """dataset=image_folder with a real folder of images builds, and the model gets num_classes from it."""
+    from PIL import Image
+
+    for cls, colour in (("cat", (200, 30, 30)), ("dog", (30, 30, 200)), ("fox", (30, 200, 30))):
+        (tmp_path / cls).mkdir()
+        for i in range(4):
+            Image.new("RGB", (40, 40), colour).save(tmp_path / cls / f"{i}.jpg")
+    cfg = make("dataset=image_folder", f"dataset.root={tmp_path}", "dataset.image_size=32", "dataset.crop_size=28")
+    _, resolved = resolve(cfg)
+    validate(resolved)
+    assert resolved["model"]["num_classes"] is None  # the vision dataset's key is gone
+    train, val, net, _ = build_data_and_model(resolved)
+    logits = net(next(iter(build_loaders(resolved, train, val)[0].loader))[0])
+    assert logits.shape[-1] == 3
+
+
+@pytest.mark.parametrize("recipe", sorted(find_recipes()))
+def test_every_recipe_composes_and_validates(recipe):
+    """Each recipe composes over the defaults, overrides its groups and passes validation."""
+    cfg = make(f"+recipe={recipe}")
+    raw, resolved = resolve(cfg)
+    validate(resolved)
+    assert OmegaConf.select(cfg, "dataset._target_")
+    first_line = (find_recipes()[recipe]).read_text().splitlines()[0]
+    assert first_line == f"# dlpipe +recipe={recipe}"  # recipes start with the command that runs them
+
+
+def test_recipes_override_groups():
+    """nlp and tabular switch dataset, model and loader; values from the recipe win over group defaults."""
+    nlp = make("+recipe=nlp")
+    assert nlp.dataset._target_.endswith("TokenSequenceDataset")
+    assert nlp.model._target_.endswith("TinyTransformer")
+    assert nlp.loader.num_workers == 0  # in-memory tensors: the main process is fastest
+    tab = make("+recipe=tabular", "trainer.epochs=7")
+    assert tab.model._target_.endswith("MLP") and tab.trainer.epochs == 7  # command line wins over recipe
+
+
+def test_typo_and_wrong_type_fail_at_composition():
+    """Closed schemas reject unknown keys and values of the wrong type, naming the key."""
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="num_workerz"):
+        make("loader.num_workerz=2")
+    with pytest.raises(ConfigCompositionException, match="batch_size"):
+        make("loader.batch_size=abc")
+
+
+def test_validation_collects_every_problem():
+    """One ConfigError lists each bad key with its value and the allowed range."""
+    _, resolved = resolve(make("loader.num_workers=-1", "loader.batch_size=0", "trainer.accumulate=0",
+                               "trainer.val_fraction=1.5", "optim.lr=-1"))
+    with pytest.raises(ConfigError) as err:
+        validate(resolved)
+    problems = err.value.problems
+    for expected in ("loader.num_workers=-1", "loader.batch_size=0", "trainer.accumulate=0",
+                     "trainer.val_fraction=1.5", "optim.lr=-1"):
+        assert any(p.startswith(expected) for p in problems), (expected, problems)
+    assert len(problems) == 5
+
+
+def test_missing_mandatory_value_is_a_config_error():
+    """An unset ??? value is reported with its key, not as an OmegaConf traceback."""
+    with pytest.raises(ConfigError, match="dataset.root"):
+        resolve(make("dataset=image_folder"))
+
+
+def test_resolvers_register_idempotently():
+    """Registering twice (multirun, launcher jobs) is harmless, and every resolver is there."""
+    register_resolvers()
+    register_resolvers()
+    for name in RESOLVERS:
+        assert OmegaConf.has_resolver(name)
+
+
+def test_auto_values_follow_the_machine(monkeypatch):
+    """auto_workers follows the CPU budget (here: SLURM_CPUS_PER_TASK and LOCAL_WORLD_SIZE)."""
+    from dlpipe import hardware
+
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    budget = hardware.cpu_budget()
+    cfg = make()
+    assert cfg.loader.num_workers == hardware.recommended_workers(budget.budget)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    cfg = make()
+    assert cfg.loader.num_workers == 0 and cfg.loader.prefetch_factor is None
+    assert cfg.loader.persistent_workers is False
+
+
+@pytest.mark.parametrize(
+    "workers, epochs, size, expected",
+    [(0, 10, 10**6, False), (2, 1, 10**6, False), (2, 3, 500, False), (2, 3, 5000, True), (2, 3, 0, True)],
+)
+def test_persistent_workers_decision(workers, epochs, size, expected):
+    """persistent_workers: only with workers, more than one epoch and a dataset that is not tiny."""
+    assert decisions.persistent(workers, epochs, size).value is expected
+
+
+def test_explain_marks_auto_and_user_values():
+    """Every hardware-aware key is explained: its reason when automatic, 'set by the user' otherwise."""
+    cfg = make("loader.num_workers=3")
+    raw, resolved = resolve(cfg)
+    why = decisions.explain(raw, resolved)
+    assert why["loader.num_workers"] == "3 (set by the user)"
+    assert why["loader.prefetch_factor"].startswith("2 (auto: 3 workers")
+    assert why["loader.pin_memory"].startswith("False (auto:") or why["loader.pin_memory"].startswith("True (auto:")
+    assert set(why) == {"loader.num_workers", "loader.pin_memory", "loader.prefetch_factor",
+                        "loader.persistent_workers", "trainer.device", "trainer.amp"}
+
+
+def test_shipped_folders_are_found():
+    """conf/ and recipes/ are found from a checkout or inside an installed wheel."""
+    assert (conf_dir() / "config.yaml").is_file()
+    assert {"vision", "nlp", "tabular", "smoke"} <= set(find_recipes())
+
+
+def test_user_recipe_dir_shadows_and_extends(tmp_path, monkeypatch):
+    """$DLPIPE_RECIPE_PATH folders add recipes and may replace a shipped one."""
+    (tmp_path / "vision.yaml").write_text("# @package _global_\ntrainer:\n  epochs: 42\n")
+    (tmp_path / "extra.yaml").write_text("# @package _global_\ntrainer:\n  epochs: 9\n")
+    monkeypatch.setenv("DLPIPE_RECIPE_PATH", str(tmp_path))
+    found = find_recipes()
+    assert found["vision"] == tmp_path / "vision.yaml" and "extra" in found and "nlp" in found
+    register_recipes()
+    try:
+        assert make("+recipe=vision").trainer.epochs == 42
+        assert make("+recipe=extra").trainer.epochs == 9
+    finally:
+        monkeypatch.delenv("DLPIPE_RECIPE_PATH")
+        register_recipes()  # put the shipped vision recipe back for the other tests
+    assert make("+recipe=vision").trainer.epochs == 3

@@ -1,0 +1,348 @@
+"""The training loop (dlpipe.runner.Trainer) driven directly with small in-memory datasets.
+
+Every model here has no batch statistics and no dropout, so a sample's gradient does not depend on
+the rest of its batch and updates can be compared against a hand-computed reference.
+"""
+
+import copy
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler, TensorDataset
+
+from dlpipe.models.mlp import MLP
+from dlpipe.runner import Trainer, TrainSettings, loss_and_correct, seed_everything
+
+IN, CLASSES = 6, 3
+
+
+def make_dataset(n: int, seed: int = 0, scale: float = 1.0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=g) * scale
+    y = torch.randint(0, CLASSES, (n,), generator=g)
+    return TensorDataset(x, y)
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return MLP(in_features=IN, num_classes=CLASSES, hidden=8, depth=1)
+
+
+def make_trainer(model, lr: float = 0.1, optimizer=None, **settings) -> Trainer:
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=lr)
+    metrics = settings.pop("metrics", None)
+    empty_cache = settings.pop("empty_cache", None)
+    settings = TrainSettings(progress=False, **settings)
+    return Trainer(model, optimizer, settings, metrics=metrics, empty_cache=empty_cache)
+
+
+def params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_same_params(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 1e-6) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, atol=atol, rtol=0), (x - y).abs().max()
+
+
+def reference_sgd(model: nn.Module, ds: TensorDataset, windows: list[tuple[int, int]], lr: float) -> list[torch.Tensor]:
+    """Plain SGD by hand: one backward per window over its concatenated samples (mean loss)."""
+    ref = copy.deepcopy(model)
+    x, y = ds.tensors
+    for start, end in windows:
+        ref.zero_grad(set_to_none=True)
+        F.cross_entropy(ref(x[start:end]), y[start:end]).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= lr * p.grad
+    return params(ref)
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that records, at every step, the total gradient norm it was handed."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.grad_norms: list[float] = []
+
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self.grad_norms.append(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item())
+        return super().step(closure)
+
+
+class BatchRecorder(nn.Linear):
+    """A linear classifier that records the batch sizes it sees in train and in eval mode."""
+
+    def __init__(self):
+        super().__init__(IN, CLASSES)
+        self.train_batches: list[int] = []
+        self.eval_batches: list[int] = []
+        self.out_dtypes: list[torch.dtype] = []
+
+    def forward(self, x):
+        (self.train_batches if self.training else self.eval_batches).append(x.shape[0])
+        out = super().forward(x)
+        self.out_dtypes.append(out.dtype)
+        return out
+
+
+class RecordingSink:
+    def __init__(self):
+        self.calls: list[tuple[dict[str, float], int]] = []
+
+    def log_metrics(self, metrics, step):
+        self.calls.append((dict(metrics), step))
+
+
+# --- gradient accumulation ------------------------------------------------------------------------
+
+
+def test_accumulating_k_micro_batches_equals_one_batch_of_k_times_b():
+    """accumulate=4 with batch b gives the same parameters as accumulate=1 with batch 4*b."""
+    k, b = 4, 3
+    ds = make_dataset(k * b * 4)
+    results = []
+    for accumulate, batch_size in ((k, b), (1, k * b)):
+        model = make_model()
+        trainer = make_trainer(model, accumulate=accumulate)
+        trainer.fit(DataLoader(ds, batch_size=batch_size, shuffle=False))
+        assert trainer.step == 4
+        results.append(params(model))
+    start = params(make_model())
+    assert not torch.allclose(results[0][0], start[0])  # the model did move
+    assert_same_params(results[0], results[1])
+
+
+def test_last_partial_window_updates_with_the_mean_of_its_samples():
+    """10 micro-batches with accumulate=4 make 3 steps (4,4,2); the last is the mean over its 2 batches."""
+    b, lr = 3, 0.1
+    ds = make_dataset(10 * b)
+    model = make_model()
+    expected = reference_sgd(model, ds, [(0, 4 * b), (4 * b, 8 * b), (8 * b, 10 * b)], lr)
+    optimizer = CountingSGD(model.parameters(), lr=lr)
+    trainer = make_trainer(model, optimizer=optimizer, accumulate=4)
+    trainer.fit(DataLoader(ds, batch_size=b, shuffle=False))
+    assert trainer.step == 3
+    assert len(optimizer.grad_norms) == 3
+    assert_same_params(params(model), expected)
+
+
+@pytest.mark.parametrize("accumulate, windows", [(4, [(0, 16), (16, 22)]), (3, [(0, 12), (12, 22)])])
+def test_short_last_batch_updates_with_the_mean_over_the_window_samples(accumulate, windows):
+    """22 samples in batches of 4 (last batch 2, drop_last=False): each update is the mean over its window's samples."""
+    lr = 0.1
+    ds = make_dataset(22)
+    model = make_model()
+    expected = reference_sgd(model, ds, windows, lr)
+    trainer = make_trainer(model, lr=lr, accumulate=accumulate)
+    trainer.fit(DataLoader(ds, batch_size=4, shuffle=False, drop_last=False))
+    assert trainer.step == len(windows)
+    assert_same_params(params(model), expected)
+
+
+def test_partial_window_with_a_batch_sampler_loader_updates_with_the_mean():
+    """A loader with a batch sampler (batch_size None): the last partial window is still the mean of its samples."""
+    b, lr = 4, 0.1
+    ds = make_dataset(10 * b)
+    loader = DataLoader(ds, sampler=BatchSampler(SequentialSampler(ds), batch_size=b, drop_last=False), batch_size=None)
+    assert loader.batch_size is None
+    model = make_model()
+    expected = reference_sgd(model, ds, [(0, 4 * b), (4 * b, 8 * b), (8 * b, 10 * b)], lr)
+    trainer = make_trainer(model, lr=lr, accumulate=4)
+    trainer.fit(loader)
+    assert trainer.step == 3
+    assert_same_params(params(model), expected)
+
+
+# --- step counting and limits ---------------------------------------------------------------------
+
+
+def test_step_counts_optimizer_steps_not_micro_batches():
+    """trainer.step counts optimizer steps: 5 micro-batches with accumulate=2 make 3 steps per epoch."""
+    model = make_model()
+    optimizer = CountingSGD(model.parameters(), lr=0.1)
+    trainer = make_trainer(model, optimizer=optimizer, accumulate=2, epochs=3)
+    history = trainer.fit(DataLoader(make_dataset(20), batch_size=4))
+    assert len(history) == 3
+    assert trainer.step == len(optimizer.grad_norms) == 9
+
+
+def test_max_steps_stops_training_across_epochs():
+    """max_steps=7 with 5 steps per epoch stops in the middle of epoch 2, after exactly 7 steps."""
+    model = BatchRecorder()
+    optimizer = CountingSGD(model.parameters(), lr=0.1)
+    trainer = make_trainer(model, optimizer=optimizer, epochs=5, max_steps=7)
+    history = trainer.fit(DataLoader(make_dataset(20), batch_size=4))
+    assert trainer.step == len(optimizer.grad_norms) == 7
+    assert [row["epoch"] for row in history] == [1.0, 2.0]
+    assert len(model.train_batches) == 7
+
+
+def test_limit_train_batches_limits_micro_batches_per_epoch():
+    """limit_train_batches=3 trains on 3 of the 5 micro-batches in each epoch."""
+    model = BatchRecorder()
+    trainer = make_trainer(model, epochs=2, limit_train_batches=3)
+    trainer.fit(DataLoader(make_dataset(20), batch_size=4))
+    assert len(model.train_batches) == 6
+    assert trainer.step == 6
+
+
+def test_limit_val_batches_zero_skips_validation_and_positive_limits_it():
+    """limit_val_batches=0 runs no validation (no val metrics); limit_val_batches=2 runs 2 batches."""
+    train, val = make_dataset(8), make_dataset(20, seed=1)
+    model = BatchRecorder()
+    trainer = make_trainer(model, limit_val_batches=0)
+    history = trainer.fit(DataLoader(train, batch_size=4), DataLoader(val, batch_size=4))
+    assert model.eval_batches == []
+    assert "val_loss" not in history[0] and "val_accuracy" not in history[0]
+
+    model = BatchRecorder()
+    trainer = make_trainer(model, limit_val_batches=2)
+    history = trainer.fit(DataLoader(train, batch_size=4), DataLoader(val, batch_size=4))
+    assert model.eval_batches == [4, 4]
+    assert "val_loss" in history[0]
+
+
+# --- periodic work: cache clearing, clipping, metrics ---------------------------------------------
+
+
+def test_empty_cache_runs_every_n_optimizer_steps():
+    """empty_cache_every=3 calls empty_cache on steps 3, 6, 9; empty_cache_every=0 never calls it."""
+    for every, expected in ((3, [3, 6, 9]), (0, [])):
+        calls: list[int] = []
+        trainer = make_trainer(make_model(), empty_cache_every=every, empty_cache=lambda: calls.append(trainer.step))
+        trainer.fit(DataLoader(make_dataset(40), batch_size=4))  # 10 steps
+        assert trainer.step == 10
+        assert calls == expected
+
+
+def test_grad_clip_bounds_the_gradient_norm_the_optimizer_sees():
+    """With grad_clip=c the optimizer sees a total grad norm <= c; without clipping it is larger than c."""
+    clip = 0.5
+    ds = make_dataset(8, scale=100.0)  # large inputs: large gradients
+    norms = {}
+    for grad_clip in (0.0, clip):
+        model = make_model()
+        optimizer = CountingSGD(model.parameters(), lr=0.0)
+        make_trainer(model, optimizer=optimizer, grad_clip=grad_clip).fit(DataLoader(ds, batch_size=8))
+        norms[grad_clip] = optimizer.grad_norms
+    assert len(norms[clip]) == len(norms[0.0]) == 1
+    assert norms[0.0][0] > clip
+    assert norms[clip][0] <= clip * (1 + 1e-5)
+
+
+def test_metric_sink_gets_epoch_metrics_and_train_loss_step_every_log_every_steps():
+    """The sink gets each epoch's metrics (step=epoch) and train_loss_step at steps log_every, 2*log_every, ..."""
+    train, val = make_dataset(24), make_dataset(10, seed=1)
+    model = make_model()
+    sink = RecordingSink()
+    # lr=0: the model never changes, so every loss has a hand-computed reference
+    trainer = make_trainer(model, lr=0.0, epochs=2, log_every=2, metrics=sink)
+    trainer.fit(DataLoader(train, batch_size=4), DataLoader(val, batch_size=4))  # 6 steps per epoch
+
+    step_calls = [(m, s) for m, s in sink.calls if "train_loss_step" in m]
+    epoch_calls = [(m, s) for m, s in sink.calls if "train_loss_step" not in m]
+    assert [s for _, s in step_calls] == [2, 4, 6, 8, 10, 12]
+    assert [s for _, s in epoch_calls] == [1, 2]
+    assert all(set(m) == {"train_loss_step"} for m, _ in step_calls)
+
+    x, y = train.tensors
+    vx, vy = val.tensors
+    with torch.no_grad():
+        per_sample = F.cross_entropy(model(x), y, reduction="none")
+        val_logits = model(vx)
+    for i, (m, _) in enumerate(step_calls[:3]):  # epoch 1: samples 8i..8i+7 since the previous log
+        assert m["train_loss_step"] == pytest.approx(per_sample[8 * i : 8 * i + 8].mean().item(), rel=1e-5)
+
+    required = {"epoch_time_s", "samples_per_s", "data_wait_frac", "train_loss", "val_loss", "val_accuracy"}
+    for m, _ in epoch_calls:
+        assert required <= set(m)
+        assert "epoch" not in m
+        assert m["train_loss"] == pytest.approx(per_sample.mean().item(), rel=1e-5)
+        assert m["val_loss"] == pytest.approx(F.cross_entropy(val_logits, vy).item(), rel=1e-5)
+        assert m["val_accuracy"] == pytest.approx((val_logits.argmax(-1) == vy).float().mean().item())
+        assert 0.0 <= m["data_wait_frac"] <= 1.0
+        assert m["samples_per_s"] == pytest.approx(len(train) / m["epoch_time_s"], rel=1e-3)
+
+
+# --- losses, seeding, precision, interrupts -------------------------------------------------------
+
+
+def test_token_level_loss_matches_cross_entropy_over_all_tokens():
+    """loss_and_correct on [B, T, V] logits is the mean cross-entropy over all B*T tokens, correct counts tokens."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 5, 7, generator=g)
+    target = torch.randint(0, 7, (4, 5), generator=g)
+    loss, correct = loss_and_correct(logits, target)
+    assert loss.item() == pytest.approx(F.cross_entropy(logits.transpose(1, 2), target).item(), rel=1e-6)
+    assert torch.allclose(loss, F.cross_entropy(logits.reshape(-1, 7), target.reshape(-1)))
+    assert correct.item() == sum(
+        int(logits[b, t].argmax() == target[b, t]) for b in range(4) for t in range(5)
+    )
+
+
+def _seeded_run(seed: int) -> list[torch.Tensor]:
+    seed_everything(seed)
+    model = MLP(in_features=IN, num_classes=CLASSES, hidden=8, depth=1)
+    loader = DataLoader(make_dataset(32), batch_size=4, shuffle=True)  # order from the global torch RNG
+    make_trainer(model, epochs=2).fit(loader)
+    return params(model)
+
+
+def test_seed_everything_makes_runs_bitwise_identical():
+    """The same seed gives bitwise identical parameters after training; a different seed does not."""
+    a, b, c = _seeded_run(11), _seeded_run(11), _seeded_run(12)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_seed_everything_seeds_python_and_numpy():
+    """seed_everything also fixes Python's `random` and NumPy's global generator."""
+    draws = []
+    for seed in (5, 5, 6):
+        seed_everything(seed)
+        draws.append((random.random(), float(np.random.rand()), torch.rand(()).item()))
+    assert draws[0] == draws[1]
+    assert draws[0] != draws[2]
+
+
+def test_bf16_autocast_on_cpu_trains_with_finite_losses():
+    """amp='bf16' runs the forward pass under CPU bf16 autocast and yields finite train and val losses."""
+    model = BatchRecorder()
+    history = make_trainer(model, amp="bf16", epochs=2).fit(
+        DataLoader(make_dataset(16), batch_size=4), DataLoader(make_dataset(8, seed=1), batch_size=4)
+    )
+    assert torch.bfloat16 in model.out_dtypes
+    assert model.weight.dtype == torch.float32  # master weights stay fp32
+    for row in history:
+        assert math.isfinite(row["train_loss"]) and math.isfinite(row["val_loss"])
+
+
+class InterruptAt(Dataset):
+    def __init__(self, n: int, at: int):
+        self.data, self.at = make_dataset(n), at
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if i == self.at:
+            raise KeyboardInterrupt
+        return self.data[i]
+
+
+def test_keyboard_interrupt_in_the_data_propagates_out_of_fit():
+    """A KeyboardInterrupt raised while loading a batch leaves fit() (it is not swallowed)."""
+    model = BatchRecorder()
+    trainer = make_trainer(model, epochs=2)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(DataLoader(InterruptAt(16, at=9), batch_size=4))
+    assert model.train_batches == [4, 4]  # batches before the interrupt were trained on
+    assert trainer.history == []

@@ -1,0 +1,159 @@
+"""Telemetry: the epoch clock (data wait vs compute), the resource sampler thread, the summary table.
+
+No assertion here depends on how fast the machine is: timings are only compared with each other
+or with the sleeps that produced them (a sleep lasts at least its duration).
+"""
+
+import re
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dlpipe import hardware
+from dlpipe.console import summary_table
+from dlpipe.telemetry import EpochClock, ResourceSampler
+
+# --- EpochClock -----------------------------------------------------------------------------------
+
+
+def run_clock(data_s: float, compute_s: float, steps: int = 6, batch: int = 4) -> EpochClock:
+    clock = EpochClock()
+    for _ in range(steps):
+        time.sleep(data_s)  # waiting for the loader
+        clock.waited()
+        time.sleep(compute_s)  # forward/backward
+        clock.stepped(batch)
+    return clock
+
+
+def test_data_wait_share_follows_where_the_time_goes():
+    """A loop that mostly waits for data has a larger data_wait_frac than one that mostly computes; both in [0, 1]."""
+    data_bound = run_clock(data_s=0.02, compute_s=0.001).summary()
+    compute_bound = run_clock(data_s=0.001, compute_s=0.02).summary()
+    for s in (data_bound, compute_bound):
+        assert 0.0 <= s["data_wait_frac"] <= 1.0
+        assert s["data_wait_s"] <= s["epoch_time_s"]
+    assert data_bound["data_wait_frac"] > compute_bound["data_wait_frac"]
+
+
+def test_epoch_summary_rates_first_batch_and_step_percentiles():
+    """samples_per_s is samples / epoch_time_s; first_batch_s is the first wait; p50 <= p95."""
+    clock = run_clock(data_s=0.01, compute_s=0.002, steps=5, batch=3)
+    # a slow first batch (worker start-up) is recorded as such
+    assert clock.samples == 15 and clock.batches == 5
+    s = clock.summary()
+    assert s["samples_per_s"] == pytest.approx(15 / s["epoch_time_s"], rel=1e-12)
+    assert 0.01 <= s["first_batch_s"] <= s["data_wait_s"]
+    assert s["first_batch_s"] < s["data_wait_s"]  # later waits count too
+    assert 0.0 < s["step_time_p50_ms"] <= s["step_time_p95_ms"]
+    samples_per_s, wait_frac = clock.rates()
+    assert samples_per_s > 0 and 0.0 <= wait_frac <= 1.0
+
+
+def test_empty_and_single_step_epochs_summarise_without_percentiles():
+    """An epoch with no batch reports first_batch_s 0 and no percentiles; one step is too few for percentiles."""
+    s = EpochClock().summary()
+    assert s["first_batch_s"] == 0.0 and s["samples_per_s"] == 0.0
+    assert "step_time_p50_ms" not in s
+    s = run_clock(data_s=0.0, compute_s=0.0, steps=1).summary()
+    assert "step_time_p50_ms" not in s and "step_time_p95_ms" not in s
+
+
+# --- ResourceSampler ------------------------------------------------------------------------------
+
+
+class BusyDataset(Dataset):
+    """CPU-bound items: a pure-Python loop per item, like a decode/augment pipeline."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        total = 0
+        for k in range(400_000):
+            total += k * k % 7
+        return torch.tensor([float(total)])
+
+
+def sampler_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "dlpipe-sampler"}
+
+
+def nvml_works() -> bool:
+    try:
+        hardware.Nvml.open().close()
+    except hardware.NvmlUnavailable:
+        return False
+    return True
+
+
+def test_sampler_reports_cpu_memory_and_workers_of_a_real_loader():
+    """While 2 real workers do CPU work the sampler sees them alive with RSS and CPU time; stop() ends its thread."""
+    before = sampler_threads()
+    sampler = ResourceSampler(interval_s=0.05, cpu_budget=2).start()
+    assert sampler.gpu_status == "not requested"
+    ours = sampler_threads() - before
+    assert len(ours) == 1 and all(t.is_alive() for t in ours)
+    try:
+        loader = DataLoader(BusyDataset(), batch_size=1, num_workers=2)
+        during = None
+        for i, _ in enumerate(loader):
+            if i == len(loader) // 2:
+                during = sampler.window()  # first half; takes a sample now, while the workers live
+        after = sampler.window()  # second half
+    finally:
+        sampler.stop()
+    assert all(not t.is_alive() for t in ours)
+
+    for w in (during, after):
+        assert {"cpu_util", "rss_mb", "workers_rss_mb", "rss_peak_mb", "workers_alive"} <= set(w)
+        assert w["rss_mb"] > 0 and w["rss_peak_mb"] >= w["rss_mb"]
+        assert w["cpu_util"] >= 0
+        assert "gpu_util" not in w
+    assert during["workers_alive"] > 0 and during["workers_rss_mb"] > 0
+    assert after["cpu_workers_pct"] > 0  # the workers burned CPU during the second half
+
+
+@pytest.mark.skipif(nvml_works(), reason="a working NVIDIA driver is present")
+def test_sampler_without_a_driver_says_gpu_not_available_and_reports_no_gpu_metrics():
+    """Asking for a GPU without an NVIDIA driver gives gpu_status 'not available: ...' and no gpu_util, never 0%."""
+    sampler = ResourceSampler(interval_s=0.05, cpu_budget=1, gpu_index=0)
+    try:
+        sampler.start()
+        assert sampler.gpu_status.startswith("not available")
+        w = sampler.window()
+    finally:
+        sampler.stop()
+    assert "gpu_util" not in w and "gpu_mem_used_mb" not in w
+    assert w["rss_mb"] > 0
+
+
+# --- summary table --------------------------------------------------------------------------------
+
+
+def parse_table(text: str) -> list[list[str]]:
+    """Cells of a summary_table, cut at the columns the dashed rule under the header marks."""
+    lines = text.splitlines()
+    spans = [m.span() for m in re.finditer(r"-+", lines[1])]
+    assert "".join(lines[1].split()) == "-" * sum(e - s for s, e in spans)
+    return [[line[s:e].strip() for s, e in spans] for i, line in enumerate(lines) if i != 1]
+
+
+def test_summary_table_omits_empty_columns_and_marks_missing_cells():
+    """Columns no row has are left out; a row missing a shown metric gets '-' in that cell."""
+    rows = [
+        {"epoch": 1.0, "train_loss": 0.5, "samples_per_s": 1234.56},
+        {"epoch": 2.0, "train_loss": 0.25, "val_loss": 0.75, "samples_per_s": 1500.0},
+    ]
+    cells = parse_table(summary_table(rows))
+    assert cells[0] == ["epoch", "train loss", "val loss", "samples/s"]
+    assert cells[1][0] == "1" and cells[2][0] == "2"
+    assert cells[1][2] == "-"
+    assert float(cells[2][2]) == pytest.approx(0.75)
+    assert [float(r[1]) for r in cells[1:]] == pytest.approx([0.5, 0.25])
+    assert [float(r[3]) for r in cells[1:]] == pytest.approx([1234.6, 1500.0])
+    for absent in ("val acc", "gpu %", "cpu %", "rss MB", "data wait", "epoch s"):
+        assert absent not in cells[0]

@@ -1,0 +1,158 @@
+"""MLflow tracking: run statuses, async metrics, params limits, and a real `mlflow server` on 127.0.0.1."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import runs_of
+from dlpipe.errors import DlpipeError
+from dlpipe.tracking import MAX_PARAM_CHARS, MlflowRun, Terminated
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` bound to 127.0.0.1; stopped by its process group when the module ends."""
+    root = tmp_path_factory.mktemp("server")
+    port = _free_port()
+    mlflow_bin = Path(sys.executable).with_name("mlflow")
+    proc = subprocess.Popen(
+        [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--artifacts-destination", str(root / "artifacts")],
+        stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: uvicorn workers are stopped with it
+        # MLflow 3 also starts a pool of background job consumers that take CPU from the tests
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass  # not listening yet
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("mlflow server did not start:\n" + (root / "server.log").read_text()[-2000:])
+            time.sleep(0.5)
+        yield url
+    finally:
+        stop_tree(proc)
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """Stop a server by its PID and every descendant (even one that left the process group)."""
+    import psutil
+
+    try:
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = []
+    for p in family:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            continue  # already gone
+    _, alive = psutil.wait_procs(family, timeout=15)
+    for p in alive:
+        p.kill()
+    proc.wait(timeout=15)
+
+
+def _run(store: str, experiment: str) -> MlflowRun:
+    return MlflowRun(store, experiment, "unit", {"dlpipe.test": "1"})
+
+
+@pytest.mark.parametrize(
+    "exc, status, reason",
+    [(None, "FINISHED", None), (RuntimeError("boom"), "FAILED", "RuntimeError: boom"),
+     (KeyboardInterrupt(), "KILLED", "Ctrl-C"), (Terminated("signal 15"), "KILLED", "SIGTERM")],
+)
+def test_run_always_ends_with_an_honest_status(mlflow_store, mlflow_client, exc, status, reason):
+    """The context manager ends the run FINISHED, FAILED or KILLED and never swallows the exception."""
+    exp = f"status-{status}-{type(exc).__name__}"
+    with pytest.raises(type(exc)) if exc else _nothing():
+        with _run(mlflow_store, exp) as run:
+            run.log_metrics({"x": 1.0}, step=1)
+            if exc:
+                raise exc
+    [stored] = runs_of(mlflow_client, exp)
+    assert stored.info.status == status
+    assert stored.data.metrics["x"] == 1.0  # the async queue was flushed before the run ended
+    if reason:
+        assert reason in stored.data.tags["dlpipe.end_reason"]
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_many_and_long_params_are_stored(mlflow_store, mlflow_client):
+    """More params than one MLflow batch takes, and values over MLflow's length limit, are logged."""
+    params = {f"p{i:03d}": i for i in range(250)}
+    params["long"] = "x" * (MAX_PARAM_CHARS + 500)
+    with _run(mlflow_store, "params") as run:
+        run.log_params(params)
+    [stored] = runs_of(mlflow_client, "params")
+    assert len(stored.data.params) == 251
+    assert len(stored.data.params["long"]) == MAX_PARAM_CHARS and stored.data.params["long"].endswith("...")
+
+
+def test_metric_history_keeps_every_step(mlflow_store, mlflow_client):
+    """Asynchronous logging loses nothing: every step's value is in the store after the run ends."""
+    with _run(mlflow_store, "history") as run:
+        for step in range(1, 201):
+            run.log_metrics({"loss": 1.0 / step}, step=step)
+        run_id = run.run_id
+    history = mlflow_client.get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, 201))
+
+
+def test_train_against_real_server(dlpipe, mlflow_server):
+    """A run logs params, metrics and its config artifact through a real tracking server over HTTP."""
+    from mlflow import MlflowClient
+
+    r = dlpipe("+recipe=smoke", "trainer.progress=false", "trainer.epochs=1",
+               f"tracking.uri={mlflow_server}", "tracking.experiment=server")
+    assert r.returncode == 0, r.stderr
+    client = MlflowClient(tracking_uri=mlflow_server)
+    [run] = runs_of(client, "server")
+    assert run.info.status == "FINISHED"
+    assert {"samples_per_s", "data_wait_frac", "epoch_time_s"} <= set(run.data.metrics)
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "config")] == ["config/resolved.yaml"]
+
+
+def test_unreachable_server_is_a_clear_error(dlpipe):
+    """An unreachable tracking server fails fast with one line naming tracking.uri, before training."""
+    port = _free_port()  # nothing listens there
+    r = dlpipe("+recipe=smoke", f"tracking.uri=http://127.0.0.1:{port}", "tracking.request_retries=0",
+               timeout=120)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error: ")]
+    assert len(errors) == 1 and f"tracking.uri=http://127.0.0.1:{port}" in errors[0]
+    assert "epoch 1/" not in r.stderr  # training never started
+
+
+def test_deleted_experiment_is_reported(mlflow_store, mlflow_client):
+    """Logging into a deleted experiment names it instead of failing inside MLflow."""
+    exp_id = mlflow_client.create_experiment("deleted-one")
+    mlflow_client.delete_experiment(exp_id)
+    with pytest.raises(DlpipeError, match="tracking.experiment=deleted-one"):
+        _run(mlflow_store, "deleted-one")
