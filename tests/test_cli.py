@@ -214,7 +214,7 @@ def test_user_recipe_folder_from_environment(dlpipe, tmp_path):
     mine = tmp_path / "my_recipes"
     mine.mkdir()
     (mine / "mine.yaml").write_text(
-        "# dlpipe +recipe=mine\n# @package _global_\ndefaults:\n  - override /dataset: tabular\n"
+        "# @package _global_\n# dlpipe +recipe=mine\ndefaults:\n  - override /dataset: tabular\n"
         "  - override /model: mlp\n  - override /loader: in_memory\ntrainer:\n  epochs: 1\n"
     )
     r = dlpipe("+recipe=mine", "--cfg", "job", env={"DLPIPE_RECIPE_PATH": str(mine)})
@@ -222,6 +222,15 @@ def test_user_recipe_folder_from_environment(dlpipe, tmp_path):
     assert "TabularDataset" in r.stdout and "epochs: 1" in r.stdout
     r = dlpipe("+recipe=mine", "--cfg", "job", env={"DLPIPE_RECIPE_PATH": str(tmp_path / "missing")})
     assert r.returncode == 2 and "DLPIPE_RECIPE_PATH" in r.stderr
+
+
+def test_user_recipe_from_config_dir(dlpipe):
+    """Hydra's --config-dir adds recipes from DIR/recipe/ beside the shipped ones, and they train."""
+    r = dlpipe("--config-dir", str(TESTS_DIR / "conf"), "+recipe=tiny_tabular", "tracking=none", "trainer.progress=false")
+    assert r.returncode == 0, r.stderr
+    assert "val loss" in r.stdout
+    r = dlpipe("--config-dir", str(TESTS_DIR / "conf"), "+recipe=nope", "tracking=none")
+    assert "tiny_tabular" in r.stderr and "vision" in r.stderr  # both sources are listed
 
 
 def test_help_lists_groups_and_recipes(dlpipe):

@@ -98,8 +98,9 @@ def test_every_recipe_composes_and_validates(recipe):
     raw, resolved = resolve(cfg)
     validate(resolved)
     assert OmegaConf.select(cfg, "dataset._target_")
-    first_line = (find_recipes()[recipe]).read_text().splitlines()[0]
-    assert first_line == f"# dlpipe +recipe={recipe}"  # recipes start with the command that runs them
+    # Hydra reads `# @package` only from the leading `# @` lines; the command that runs it comes next.
+    header = (find_recipes()[recipe]).read_text().splitlines()[:2]
+    assert header == ["# @package _global_", f"# dlpipe +recipe={recipe}"]
 
 
 def test_recipes_override_groups():

@@ -34,9 +34,12 @@ def _torch_cuda() -> tuple[bool, bool, str]:
 
 
 def workers() -> Decision:
-    budget = hardware.cpu_budget()
-    value = hardware.recommended_workers(budget.budget)
-    return Decision(value, f"CPU budget {budget.budget} per rank -> {value} workers", budget.as_params())
+    b = hardware.cpu_budget()
+    value = hardware.recommended_workers(b.budget)
+    cgroup = "none" if b.cgroup_cpus is None else f"{b.cgroup_cpus:g}"
+    why = (f"CPU budget {b.budget} per rank -> {value} workers; budget = min(affinity {b.affinity}, "
+           f"cgroup {cgroup}, Slurm {b.slurm_cpus or 'none'}) // {b.local_world_size} rank(s) per node")
+    return Decision(value, why, b.as_params())
 
 
 def cuda_available() -> Decision:
@@ -68,13 +71,14 @@ def persistent(num_workers: int, epochs: int, dataset_size) -> Decision:
     num_workers, epochs = int(num_workers), int(epochs)
     size = int(dataset_size or 0)
     inputs = {"num_workers": str(num_workers), "epochs": str(epochs), "dataset_size": str(size or "unknown")}
+    facts = f"{num_workers} workers, {epochs} epochs, dataset size {inputs['dataset_size']}"
     if num_workers == 0:
-        return Decision(False, "no workers to keep", inputs)
+        return Decision(False, f"no workers to keep ({facts})", inputs)
     if epochs <= 1:
-        return Decision(False, "a single epoch: nothing to reuse the workers for", inputs)
+        return Decision(False, f"a single epoch: nothing to reuse the workers for ({facts})", inputs)
     if 0 < size < TINY_DATASET:
-        return Decision(False, f"tiny dataset (< {TINY_DATASET} samples): not worth keeping workers resident", inputs)
-    return Decision(True, f"{epochs} epochs: saves a worker start-up per epoch", inputs)
+        return Decision(False, f"tiny dataset (< {TINY_DATASET} samples): not worth keeping workers resident ({facts})", inputs)
+    return Decision(True, f"saves a worker start-up per epoch ({facts})", inputs)
 
 
 # Config key -> (resolver name, how to recompute its decision from the resolved config).
