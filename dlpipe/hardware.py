@@ -1,7 +1,7 @@
-"""Facts about the machine a run actually gets: CPU budget, shared memory, RAM and NVIDIA GPUs.
+"""Facts about the machine a run actually gets: CPU budget, shared memory and RAM (GPUs: `dlpipe.gpu`).
 
-Nothing is read or initialised at import time; pynvml is imported by `Nvml.open()` and torch never,
-so config resolvers can import this module cheaply.
+Nothing is read or initialised at import time and torch is never imported, so config resolvers
+can import this module cheaply.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 import psutil
+
+from dlpipe.gpu import gpu_summary
 
 log = logging.getLogger(__name__)
 
@@ -238,110 +240,6 @@ def memory_available_bytes() -> int:
 def memory_total_bytes() -> int:
     """Total physical RAM (psutil)."""
     return psutil.virtual_memory().total
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    """One NVIDIA GPU as NVML sees it."""
-
-    index: int
-    name: str
-    memory_total_bytes: int
-
-
-class NvmlUnavailable(Exception):
-    """NVML cannot answer (no library, driver or GPU, unsupported query); str() is the reason."""
-
-
-class Nvml:
-    """Opened NVML session. Use Nvml.open(); it raises NvmlUnavailable(reason) when there is no
-    driver/library/GPU.
-
-    Queries raise NvmlUnavailable too, so a sampler reports "not available", never a fake 0%.
-    Usable as a context manager.
-    """
-
-    def __init__(self, pynvml_module) -> None:  # private: use Nvml.open()
-        self._nvml = pynvml_module
-        self._closed = False
-
-    @staticmethod
-    def open() -> Nvml:
-        """Initialise NVML (reference-counted, so several sessions may coexist)."""
-        try:
-            import pynvml  # lazy: keeps NVML off the import path of config resolvers
-        except ImportError:
-            raise NvmlUnavailable("nvidia-ml-py (pynvml) is not installed") from None
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError_LibraryNotFound:
-            raise NvmlUnavailable("NVML library not found (no NVIDIA driver)") from None
-        except pynvml.NVMLError_DriverNotLoaded:
-            raise NvmlUnavailable("NVIDIA driver not loaded") from None
-        except pynvml.NVMLError as exc:
-            raise NvmlUnavailable(f"NVML init failed: {exc}") from None
-        return Nvml(pynvml)
-
-    def _call(self, fn, *args):
-        if self._closed:
-            raise NvmlUnavailable("NVML session is closed")
-        try:
-            return fn(*args)
-        except self._nvml.NVMLError as exc:
-            raise NvmlUnavailable(f"NVML query failed: {exc}") from None
-
-    def _handle(self, index: int):
-        return self._call(self._nvml.nvmlDeviceGetHandleByIndex, index)
-
-    def devices(self) -> list[GpuInfo]:
-        """Every GPU NVML reports (may be empty)."""
-        result = []
-        for index in range(self._call(self._nvml.nvmlDeviceGetCount)):
-            handle = self._handle(index)
-            name = self._call(self._nvml.nvmlDeviceGetName, handle)
-            if isinstance(name, bytes):  # older nvidia-ml-py returns bytes
-                name = name.decode(errors="replace")
-            memory = self._call(self._nvml.nvmlDeviceGetMemoryInfo, handle)
-            result.append(GpuInfo(index=index, name=name, memory_total_bytes=int(memory.total)))
-        return result
-
-    def utilization(self, index: int) -> float:
-        """GPU busy percent over NVML's last sample period (nvmlDeviceGetUtilizationRates().gpu)."""
-        rates = self._call(self._nvml.nvmlDeviceGetUtilizationRates, self._handle(index))
-        return float(rates.gpu)
-
-    def memory_used_bytes(self, index: int) -> int:
-        """Device memory in use by all processes on GPU `index`."""
-        return int(self._call(self._nvml.nvmlDeviceGetMemoryInfo, self._handle(index)).used)
-
-    def close(self) -> None:
-        """Shut this session down; calling it again does nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._nvml.nvmlShutdown()
-        except self._nvml.NVMLError as exc:
-            # Shutdown runs in cleanup paths; raising here would mask the error that got us there.
-            log.debug("nvmlShutdown failed: %s", exc)
-
-    def __enter__(self) -> Nvml:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def gpu_summary() -> tuple[list[GpuInfo], str | None]:
-    """(devices, None) when NVML lists GPUs, else ([], reason). Opens and closes NVML."""
-    try:
-        with Nvml.open() as nvml:
-            devices = nvml.devices()
-    except NvmlUnavailable as exc:
-        return [], str(exc)
-    if not devices:
-        return [], "NVML reports no GPUs"
-    return devices, None
 
 
 def host_facts(*, cpu: CpuBudget | None = None) -> dict[str, str]:

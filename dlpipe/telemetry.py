@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from dlpipe import hardware
+from dlpipe import gpu, hardware
 
 
 @dataclass
@@ -92,9 +92,9 @@ class ResourceSampler:
     def start(self) -> "ResourceSampler":
         if self._gpu_index is not None:
             try:
-                self._nvml = hardware.Nvml.open()
+                self._nvml = gpu.Nvml.open()
                 self.gpu_status = "measured"
-            except hardware.NvmlUnavailable as e:
+            except gpu.NvmlUnavailable as e:
                 self.gpu_status = f"not available: {e}"
         self._sample()  # baseline for the CPU-time deltas
         with self._lock:
@@ -165,7 +165,7 @@ class ResourceSampler:
             try:
                 s["gpu_util"] = self._nvml.utilization(self._gpu_index)
                 s["gpu_mem_used_mb"] = self._nvml.memory_used_bytes(self._gpu_index) / 2**20
-            except hardware.NvmlUnavailable as e:
+            except gpu.NvmlUnavailable as e:
                 # the GPU went away (reset, lost driver): say so once, never report a fake 0%
                 self.gpu_status = f"not available: {e}"
                 self._nvml = None

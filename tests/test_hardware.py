@@ -1,4 +1,4 @@
-"""Hardware facts: cgroup v1/v2 parsing on fake trees, real affinity under taskset, NVML, shm."""
+"""Hardware facts: cgroup v1/v2 parsing on fake trees, real affinity under taskset, shm, host facts."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from dlpipe.gpu import gpu_summary
 from dlpipe.hardware import (
     CpuBudget,
-    Nvml,
-    NvmlUnavailable,
     cpu_budget,
-    gpu_summary,
     host_facts,
     memory_available_bytes,
     memory_total_bytes,
@@ -311,21 +309,3 @@ def test_gpu_summary_and_host_facts_never_fake_zero():
         assert reason  # a non-empty explanation, e.g. "NVML library not found (no NVIDIA driver)"
         assert facts["gpu.status"] == f"not available: {reason}"
         assert "gpu.count" not in facts
-
-
-def test_nvml_session_or_reason():
-    try:
-        nvml = Nvml.open()
-    except NvmlUnavailable as exc:
-        assert str(exc)
-        return
-    try:
-        for gpu in nvml.devices():
-            assert gpu.memory_total_bytes > 0
-            assert 0.0 <= nvml.utilization(gpu.index) <= 100.0
-            assert 0 <= nvml.memory_used_bytes(gpu.index) <= gpu.memory_total_bytes
-    finally:
-        nvml.close()
-    nvml.close()  # idempotent
-    with pytest.raises(NvmlUnavailable):
-        nvml.devices()

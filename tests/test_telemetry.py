@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dlpipe import hardware
+from dlpipe import gpu
 from dlpipe.console import summary_table
 from dlpipe.telemetry import EpochClock, ResourceSampler
 
@@ -84,8 +84,8 @@ def sampler_threads() -> set[threading.Thread]:
 
 def nvml_works() -> bool:
     try:
-        hardware.Nvml.open().close()
-    except hardware.NvmlUnavailable:
+        gpu.Nvml.open().close()
+    except gpu.NvmlUnavailable:
         return False
     return True
 
