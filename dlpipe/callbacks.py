@@ -11,12 +11,13 @@ tests check the parent/child link in a real store to catch a silently broken cal
 import atexit
 import logging
 import os
+import signal
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dlpipe.job import PARENT_RUN_ENV
-from dlpipe.tracking import PARENT_TAG, client_for, experiment_id
+from dlpipe.tracking import PARENT_TAG, Terminated, client_for, experiment_id
 
 log = logging.getLogger("dlpipe")
 
@@ -54,11 +55,22 @@ def sweep_table(children) -> tuple[str, object | None, str]:
     return "\n".join(lines), best, names[best.info.run_id] if best else ""
 
 
+FAILED_TAG_PREFIX = "dlpipe.failed_job."  # + Hydra job number -> that job's overrides
+
+
 class SweepTracking(Callback):
+    """Creates the sweep's parent run, records failed jobs on it, and ends it with a summary."""
+
     def __init__(self) -> None:
         self.client = None
         self.parent_id: str | None = None
-        self.failed_jobs: list[str] = []
+        self.interrupted: str | None = None
+        self._previous_handlers: dict = {}
+
+    def __getstate__(self):
+        # Launchers that run jobs elsewhere (submitit) pickle the callbacks with the task;
+        # the client is rebuilt from the job's own config there.
+        return {**self.__dict__, "client": None, "_previous_handlers": {}}
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         tracking = OmegaConf.to_container(config.tracking, resolve=True)
@@ -75,44 +87,70 @@ class SweepTracking(Callback):
                   "dlpipe.sweep_dir": str(config.hydra.sweep.dir)},
         )
         self.parent_id = run.info.run_id
-        self.failed_jobs: list[str] = []
         os.environ[PARENT_RUN_ENV] = self.parent_id
+        # Hydra's sweeper raises a failed job's error before on_multirun_end, and a signal would
+        # end the process without it: atexit plus these handlers end the parent in every case.
         atexit.register(self._finish)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
         log.info("sweep parent MLflow run %s", self.parent_id)
 
+    def _on_signal(self, signum, frame) -> None:
+        self.interrupted = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(f"signal {signum}")
+
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
-        # Runs in this process for the basic launcher; jobs that fail before creating a run
-        # (bad values) are only visible here.
+        # Runs in the job's process (this one for the basic launcher, a submitit worker otherwise),
+        # so a failure is written to the parent run where every process can see it. Jobs that
+        # fail on bad values never create a run of their own: this is their only trace.
         from hydra.core.utils import JobStatus
 
-        if job_return.status == JobStatus.FAILED:
-            self.failed_jobs.append(" ".join(job_return.overrides or []))
+        parent = os.environ.get(PARENT_RUN_ENV)
+        if job_return.status != JobStatus.FAILED or not parent:
+            return
+        tracking = OmegaConf.to_container(config.tracking, resolve=True)
+        client = self.client or client_for(tracking["uri"], tracking["request_timeout_s"], tracking["request_retries"])
+        job_num = config.hydra.job.get("num", 0)
+        client.set_tag(parent, f"{FAILED_TAG_PREFIX}{job_num}", " ".join(job_return.overrides or []))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         self._finish(ended_cleanly=True)
 
     def _finish(self, ended_cleanly: bool = False) -> None:
-        """Summarise the children into the parent and end it.
-
-        Hydra's sweeper raises the first failed job's exception *before* on_multirun_end, so this
-        also runs at interpreter exit (atexit) to end the parent instead of leaving it RUNNING.
-        """
+        """Summarise the children into the parent and end it FINISHED, FAILED or KILLED."""
         if self.parent_id is None:
             return
         atexit.unregister(self._finish)
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
         os.environ.pop(PARENT_RUN_ENV, None)
         parent, self.parent_id = self.parent_id, None
-        exp_id = self.client.get_run(parent).info.experiment_id
-        children = self.client.search_runs([exp_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'", max_results=10000)
+        parent_run = self.client.get_run(parent)
+        children = self.client.search_runs(
+            [parent_run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'", max_results=10000
+        )
         table, best, best_name = sweep_table(children)
         self.client.log_text(parent, table + "\n", "sweep_summary.md")
         print(f"\nsweep summary ({len(children)} runs, last epoch of each)\n" + table, flush=True)
-        failed = sum(r.info.status != "FINISHED" for r in children) + len(self.failed_jobs)
-        tags = {"dlpipe.jobs": str(len(children)), "dlpipe.failed_jobs": str(failed)}
-        if self.failed_jobs:
-            tags["dlpipe.failed_overrides"] = " | ".join(self.failed_jobs)
-        if not ended_cleanly:
-            tags["dlpipe.end_reason"] = "the sweep stopped early: a job failed or it was interrupted"
+
+        # A job that failed inside its run is both a non-FINISHED child and a failed-job tag:
+        # count jobs by their overrides so it is counted once.
+        failed = {v for k, v in parent_run.data.tags.items() if k.startswith(FAILED_TAG_PREFIX)}
+        failed |= {r.data.tags.get("dlpipe.overrides", r.info.run_id) for r in children if r.info.status != "FINISHED"}
+        tags = {"dlpipe.jobs": str(len(children)), "dlpipe.failed_jobs": str(len(failed))}
+        if failed:
+            tags["dlpipe.failed_overrides"] = " | ".join(sorted(failed))
+        killed = self.interrupted or next((r.data.tags.get("dlpipe.end_reason") for r in children if r.info.status == "KILLED"), None)
+        if killed:
+            status, tags["dlpipe.end_reason"] = "KILLED", f"interrupted: {killed}"
+        elif failed or not ended_cleanly:
+            status = "FAILED"
+            if not ended_cleanly:
+                tags["dlpipe.end_reason"] = "the sweep stopped early: a job failed"
+        else:
+            status = "FINISHED"
         if best is not None:
             tags["dlpipe.best_job"] = best_name
             tags["dlpipe.best_run_id"] = best.info.run_id
@@ -120,4 +158,4 @@ class SweepTracking(Callback):
             print(f"best job: {best_name} ({best.data.metrics['samples_per_s']:.1f} samples/s)", flush=True)
         for k, v in tags.items():
             self.client.set_tag(parent, k, v)
-        self.client.set_terminated(parent, "FINISHED" if failed == 0 and ended_cleanly else "FAILED")
+        self.client.set_terminated(parent, status)

@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -15,9 +16,13 @@ from dlpipe.config.paths import conf_dir
 from dlpipe.config.recipes import register_recipes
 from dlpipe.config.resolvers import register_resolvers
 from dlpipe.config.schema import register_schemas
-from dlpipe.errors import ConfigError, DlpipeError
+from dlpipe.errors import ConfigError, DlpipeError, user_message
 
 log = logging.getLogger("dlpipe")
+
+
+class JobFailed(CompactHydraException):
+    """A sweep job stopped by a user-facing error (already printed as 'dlpipe: error: ...')."""
 
 
 def resolve(cfg: DictConfig) -> tuple[dict, dict]:
@@ -50,10 +55,13 @@ def _job(cfg: DictConfig):
         )
         return job.run(ctx, *resolve(cfg))
     except DlpipeError as e:
-        for line in str(e).splitlines():
+        lines = user_message(e)
+        for line in lines:
             print(f"dlpipe: error: {line}", file=sys.stderr)
         if multirun:
-            raise  # Hydra records this job as failed, runs the others, and the sweep exits 1
+            # Hydra records the job as failed, runs the others and exits 1; a compact exception
+            # is reported as its message, without a traceback.
+            raise JobFailed("; ".join(lines)) from None
         sys.exit(2)
 
 

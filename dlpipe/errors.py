@@ -16,6 +16,28 @@ class ConfigError(DlpipeError):
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
 
+    def __reduce__(self):
+        # Launchers (submitit, joblib) pickle a failed job's exception; the default reduce would
+        # call ConfigError(message) and split the message into characters.
+        return (type(self), (self.problems,))
+
 
 class DataError(DlpipeError):
     """A dataset cannot be built or read (missing folder, unreadable image, bad parameters)."""
+
+
+def user_message(exc: BaseException) -> list[str]:
+    """The lines to show a user for `exc`, without the worker traceback PyTorch wraps around it.
+
+    An exception raised in a DataLoader worker is re-raised in the main process as the same type
+    with the message "Caught X in DataLoader worker process N.\\nOriginal Traceback ...\\nX: msg".
+    """
+    text = str(exc)
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        where = text.splitlines()[0].removeprefix("Caught ").rstrip(".")
+        last = text.rstrip().splitlines()[-1]
+        name = type(exc).__module__ + "." + type(exc).__name__
+        for prefix in (name + ": ", type(exc).__name__ + ": "):
+            last = last.removeprefix(prefix)
+        return [f"{last} ({where.split(' in ', 1)[-1]})"]
+    return text.splitlines() or [type(exc).__name__]

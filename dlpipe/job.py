@@ -4,6 +4,7 @@ Everything a user can get wrong is checked and built *before* a tracking run sta
 value or an unreadable dataset leaves no half-made MLflow run behind.
 """
 
+import copy
 import logging
 import os
 import signal
@@ -67,18 +68,51 @@ def _instantiate(group: str, node: dict, **extra):
         raise ConfigError([f"{group}._target_={node.get('_target_')}: {type(cause).__name__}: {cause}"]) from e
 
 
+def check_device(device: str) -> None:
+    """The requested device must exist here; checked before anything is built or tracked."""
+    import torch
+
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(["trainer.device=mps: this torch build or machine has no MPS device; use cpu"])
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError([f"trainer.device={device}: torch sees no CUDA device (CPU-only build or no driver); use trainer.device=cpu"])
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError([f"trainer.device={device}: only cuda:0 to cuda:{torch.cuda.device_count() - 1} are visible"])
+
+
+def check_single_process(environ) -> None:
+    """Refuse torchrun/Slurm multi-rank launches until data-parallel training exists: N ranks would
+    each train the whole dataset and write to the same output directory."""
+    world = environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        raise DlpipeError(f"WORLD_SIZE={world}: dlpipe trains in one process for now; launch it without torchrun")
+
+
+def validation_view(dataset):
+    """The same samples without random augmentation, so every epoch and every sweep job scores
+    identical inputs. Applies to datasets with an `augment` attribute (the built-in image ones);
+    a shallow copy shares the decoded-once data."""
+    if not getattr(dataset, "augment", False):
+        return dataset
+    plain = copy.copy(dataset)
+    plain.augment = False
+    return plain
+
+
 def build_data_and_model(resolved: dict):
     """Dataset splits, model and optimizer; raises ConfigError/DataError naming the bad key."""
-    import torch
+    from torch.utils.data import Subset
 
     from dlpipe.data.split import train_val_split
 
     trainer = resolved["trainer"]
-    device = trainer["device"]
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError([f"trainer.device={device}: torch sees no CUDA device (CPU-only build or no driver); use trainer.device=cpu"])
+    check_device(trainer["device"])
     dataset = _instantiate("dataset", resolved["dataset"])
     train_set, val_set = train_val_split(dataset, trainer["val_fraction"], trainer["seed"])
+    if val_set is not None:
+        val_set = Subset(validation_view(dataset), val_set.indices)
     model_cfg = dict(resolved["model"])
     if model_cfg.get("num_classes", 0) is None:
         if not hasattr(dataset, "num_classes"):
@@ -98,20 +132,32 @@ def build_loaders(resolved: dict, train_set, val_set):
     cuda = resolved["trainer"]["device"].startswith("cuda")
     seed = resolved["trainer"]["seed"]
     train = build_loader(train_set, **lc, seed=seed, cuda=cuda, role="train")
+    if len(train.loader) == 0:
+        raise ConfigError([
+            f"loader.batch_size={lc['batch_size']} with loader.drop_last={str(lc['drop_last']).lower()}: the training "
+            f"split has {len(train_set)} samples, so there is no batch to train on; lower batch_size or set drop_last=false"
+        ])
     val = None
     if val_set is not None:
-        # Validation never shuffles or drops samples: every run scores the same items.
-        lc.update(batch_size=val_batch, shuffle=False, drop_last=False)
+        # Validation never shuffles or drops samples: every run scores the same items. Its workers
+        # live only while it runs: persistent ones would sit idle, holding memory, through training.
+        lc.update(batch_size=val_batch, shuffle=False, drop_last=False, persistent_workers=False)
         val = build_loader(val_set, **lc, seed=seed, cuda=cuda, role="val")
     return train, val
 
 
 @contextmanager
 def sigterm_ends_run():
-    """SIGTERM (Slurm preemption, `kill`, docker stop) raises Terminated so the run ends KILLED."""
+    """SIGTERM (Slurm preemption, `kill`, docker stop) raises Terminated so the run ends KILLED.
+
+    Enter it *before* the tracking run so the handler is still in place while the run is ended.
+    Only the first SIGTERM interrupts: a second one (schedulers often repeat it) must not break
+    into the code that is recording the KILLED status.
+    """
     from dlpipe.tracking import Terminated
 
     def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -126,7 +172,10 @@ def open_run(ctx: JobContext, tracking: dict, tags: dict[str, str]):
 
     if not tracking["enabled"]:
         return NullRun()
-    name = tracking["run_name"] or " ".join([ctx.recipe or "dlpipe", *ctx.overrides])
+    # Name a run by what distinguishes it: the recipe and the overrides, less the recipe itself and
+    # the tracking settings that are the same for every run in the store.
+    varied = [o for o in ctx.overrides if not o.lstrip("+~").startswith(("recipe=", "tracking."))]
+    name = tracking["run_name"] or " ".join([ctx.recipe or "dlpipe", *varied])
     try:
         return MlflowRun(
             tracking["uri"], tracking["experiment"], name, tags,
@@ -142,6 +191,7 @@ def open_run(ctx: JobContext, tracking: dict, tags: dict[str, str]):
 
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     """Train one job; returns the last validation loss (for sweepers that minimise it)."""
+    check_single_process(os.environ)
     validate(resolved)
     decided = explain(raw, resolved)
     for key, why in decided.items():
@@ -186,7 +236,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     gpu_index = (int(device.split(":")[1]) if ":" in device else 0) if device.startswith("cuda") else None
     sampler = ResourceSampler(resolved["tracking"]["sample_interval_s"], budget.budget, gpu_index)
 
-    with open_run(ctx, resolved["tracking"], tags) as tracked, sigterm_ends_run():
+    with sigterm_ends_run(), open_run(ctx, resolved["tracking"], tags) as tracked:
         tracked.log_params(params)
         tracked.log_text(resolved_yaml, "config/resolved.yaml")
         sampler.start()

@@ -55,8 +55,9 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
+    # Set both ways: jobs of a basic-launcher sweep share this process, and one job's
+    # deterministic=true must not leak into the next.
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def loss_and_correct(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +178,9 @@ class Trainer:
                 break
         if window_micro:  # the last, partial window of the epoch still updates the model
             self._optimizer_step(window_samples, nominal)
-        del iterator  # non-persistent workers shut down here, before validation starts its own
+        # (The StopIteration that ends an epoch is where non-persistent workers are joined: that
+        # wait counts in epoch_time_s but not in data wait.)
+        del iterator
 
         stats = clock.summary()
         stats["train_loss"] = (loss_sum / max(seen, 1)).item()  # one sync per epoch

@@ -9,7 +9,7 @@ import logging
 import os
 import time
 
-from dlpipe.errors import DlpipeError
+from dlpipe.errors import DlpipeError, user_message
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +24,10 @@ class Terminated(BaseException):
 
 def client_for(uri: str, timeout_s: float, retries: int):
     """An MlflowClient whose HTTP calls fail in seconds, not MLflow's default of minutes."""
-    # MLflow reads these when it builds each request session; an explicit environment wins.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(timeout_s, 1))))
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(retries))
+    # MLflow reads these when it builds each request session. The config keys decide (each job of
+    # a sweep sets its own), rather than whatever an earlier job or the shell left behind.
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(timeout_s, 1)))
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(retries)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # schema migrations of a new SQLite store
     from mlflow import MlflowClient
 
@@ -91,13 +92,14 @@ class MlflowRun:
         self.client.log_text(self.run_id, text, artifact_file)
 
     def end(self, status: str, reason: str | None = None) -> None:
-        import mlflow
-
-        mlflow.flush_async_logging()  # queued metrics land before the run is marked ended
-        if reason:
-            self.set_tags({"dlpipe.end_reason": reason})
-        self.client.set_terminated(self.run_id, status)
-        self.status = status
+        """Mark the run ended; set_terminated also drains this client's async metric queue first."""
+        try:
+            if reason:
+                self.set_tags({"dlpipe.end_reason": reason})
+        finally:
+            # the status matters more than the reason: never leave the run RUNNING
+            self.client.set_terminated(self.run_id, status)
+            self.status = status
 
     def __enter__(self) -> "MlflowRun":
         return self
@@ -110,7 +112,7 @@ class MlflowRun:
         elif issubclass(exc_type, Terminated):
             self.end("KILLED", "terminated (SIGTERM)")
         else:
-            self.end("FAILED", f"{exc_type.__name__}: {exc}")
+            self.end("FAILED", f"{exc_type.__name__}: {' '.join(user_message(exc))}")
         return False  # never swallow the exception
 
 

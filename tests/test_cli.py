@@ -1,6 +1,7 @@
 """End to end through the real `dlpipe` command (Hydra CLI in a subprocess) and a real MLflow store."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def test_sweep_with_a_bad_job_runs_the_others_and_fails(dlpipe, mlflow_store, ml
                f"tracking.uri={mlflow_store}", "tracking.experiment=mixed")
     assert r.returncode == 1
     assert "dlpipe: error: loader.num_workers=-1: must be >= 0" in r.stderr
+    assert "Traceback" not in r.stderr  # a user mistake, reported compactly by Hydra too
     runs = runs_of(mlflow_client, "mixed")
     [parent] = [x for x in runs if x.data.tags.get("dlpipe.role") == "sweep"]
     [child] = [x for x in runs if x is not parent]
@@ -87,12 +89,16 @@ def test_sweep_with_a_bad_job_runs_the_others_and_fails(dlpipe, mlflow_store, ml
         ("dataset._target_=nopkg.Data", "dataset._target_=nopkg.Data: cannot be imported"),
         ("+dataset.colour=red", "dataset.colour: not a parameter of dlpipe.data.vision.SyntheticJPEGDataset"),
         ("dataset.crop_size=99", "crop_size"),
+        ("trainer.device=mps", "trainer.device=mps: this torch build or machine has no MPS device"),
+        ("trainer.device=cuda:x", "trainer.device=cuda:x: allowed: cpu, cuda, cuda:N, mps"),
+        ("loader.batch_size=1000", "loader.batch_size=1000 with loader.drop_last=true: the training split has"),
     ],
 )
 def test_bad_values_fail_before_tracking(dlpipe, mlflow_store, mlflow_client, override, expected):
     """Out-of-range or unusable values exit 2 with one line naming key and value, and leave no MLflow run."""
-    exp = "bad-" + override.split("=")[0].strip("+")
-    r = dlpipe(*FAST, override, f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}")
+    exp = "bad-" + re.sub(r"[^A-Za-z0-9_.-]", "_", override)
+    extra = ["loader.drop_last=true"] if override.startswith("loader.batch_size=1000") else []
+    r = dlpipe(*FAST, override, *extra, f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}")
     assert r.returncode == 2, r.stdout + r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error: ")]
     assert len(errors) == 1 and expected in errors[0], r.stderr
@@ -134,6 +140,43 @@ def test_missing_image_folder_is_a_clear_error(dlpipe, tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr and str(tmp_path / "nope") in r.stderr
     r = dlpipe("dataset=image_folder", "tracking=none")
     assert r.returncode == 2 and "dataset.root" in r.stderr
+
+
+def test_corrupt_image_in_a_worker_fails_the_run_with_one_line(dlpipe, tmp_path, mlflow_store, mlflow_client):
+    """A bad file met by a DataLoader worker: one line naming the file, no worker traceback, run FAILED."""
+    from PIL import Image
+
+    for cls in ("a", "b"):
+        (tmp_path / "images" / cls).mkdir(parents=True)
+        for i in range(8):
+            Image.new("RGB", (40, 40), (40 * i, 90, 200 if cls == "a" else 20)).save(tmp_path / "images" / cls / f"{i}.png")
+    bad = tmp_path / "images" / "b" / "3.png"
+    bad.write_bytes(b"not a png at all")
+    r = dlpipe("dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.image_size=32",
+               "dataset.crop_size=28", "loader.num_workers=2", "loader.batch_size=4", "trainer.epochs=1",
+               "trainer.progress=false", "trainer.val_fraction=0", f"tracking.uri={mlflow_store}",
+               "tracking.experiment=corrupt")
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error: ")]
+    assert len(errors) == 1 and str(bad) in errors[0] and "DataLoader worker process" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+    [run] = runs_of(mlflow_client, "corrupt")
+    assert run.info.status == "FAILED" and str(bad) in run.data.tags["dlpipe.end_reason"]
+
+
+def test_broken_user_recipe_names_the_file(dlpipe, tmp_path):
+    """A recipe file that is not valid YAML is reported by path, for every command, without a traceback."""
+    mine = tmp_path / "recipes"
+    mine.mkdir()
+    (mine / "broken.yaml").write_text("trainer: [epochs: 1\n")
+    r = dlpipe("--cfg", "job", env={"DLPIPE_RECIPE_PATH": str(mine)})
+    assert r.returncode == 2 and str(mine / "broken.yaml") in r.stderr and "Traceback" not in r.stderr
+
+
+def test_multi_rank_launch_is_refused(dlpipe):
+    """Under torchrun (WORLD_SIZE > 1) dlpipe refuses instead of training the same data N times."""
+    r = dlpipe(*FAST, "tracking=none", env={"WORLD_SIZE": "2"})
+    assert r.returncode == 2 and "WORLD_SIZE=2" in r.stderr
 
 
 def test_cfg_job_resolve_shows_final_values(dlpipe):

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -89,6 +90,20 @@ def test_image_folder_option(tmp_path):
     train, val, net, _ = build_data_and_model(resolved)
     logits = net(next(iter(build_loaders(resolved, train, val)[0].loader))[0])
     assert logits.shape[-1] == 3
+
+
+def test_validation_split_is_not_augmented():
+    """Validation scores the same inputs every time; training keeps its random augmentation."""
+    _, resolved = resolve(make(*SMALL["vision"]))
+    train, val, _, _ = build_data_and_model(resolved)
+    assert torch.equal(val[0][0], val[0][0])
+    assert any(not torch.equal(train[0][0], train[0][0]) for _ in range(5))
+
+
+def test_auto_amp_follows_the_device():
+    """AMP is decided for the device actually used: off whenever the device is not CUDA."""
+    assert make("trainer.device=cpu").trainer.amp == "off"
+    assert decisions.amp("cpu").value == "off" and decisions.amp("mps").value == "off"
 
 
 @pytest.mark.parametrize("recipe", sorted(find_recipes()))

@@ -30,7 +30,12 @@ def _torch_cuda() -> tuple[bool, bool, str]:
 
     if not torch.cuda.is_available():
         return False, False, "torch.cuda.is_available() is False"
-    return True, bool(torch.cuda.is_bf16_supported()), f"{torch.cuda.device_count()} CUDA device(s)"
+    try:
+        # Native support only: emulated bf16 on pre-Ampere GPUs (V100, T4) is slower than fp16.
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch < 2.4 has no emulation flag and answers natively already
+        bf16 = torch.cuda.is_bf16_supported()
+    return True, bool(bf16), f"{torch.cuda.device_count()} CUDA device(s)"
 
 
 def workers() -> Decision:
@@ -52,10 +57,12 @@ def device() -> Decision:
     return Decision("cuda" if available else "cpu", why)
 
 
-def amp() -> Decision:
+def amp(device: str) -> Decision:
     available, bf16, why = _torch_cuda()
+    if not str(device).startswith("cuda"):
+        return Decision("off", f"trainer.device={device}: autocast off the GPU rarely pays off")
     if not available:
-        return Decision("off", f"no CUDA ({why}): autocast on CPU rarely pays off")
+        return Decision("off", f"no CUDA ({why})")
     if bf16:
         return Decision("bf16", "GPU supports bfloat16: same range as fp32, no loss scaling needed")
     return Decision("fp16", "GPU lacks bfloat16: fp16 with a GradScaler")
@@ -93,7 +100,7 @@ _AUTO_KEYS = {
         ),
     ),
     "trainer.device": ("auto_device", lambda cfg: device()),
-    "trainer.amp": ("auto_amp", lambda cfg: amp()),
+    "trainer.amp": ("auto_amp", lambda cfg: amp(cfg["trainer"]["device"])),
 }
 
 

@@ -8,7 +8,9 @@ defaults lists may override groups, and `+recipe=nope` lists the available names
 
 from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from dlpipe.config.paths import recipe_dirs
 from dlpipe.errors import ConfigError
@@ -32,5 +34,10 @@ def register_recipes(dirs: list[Path] | None = None) -> dict[str, Path]:
     cs = ConfigStore.instance()
     recipes = find_recipes(dirs)
     for name, path in recipes.items():
-        cs.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_", provider=str(path.parent))
+        try:
+            node = OmegaConf.load(path)
+        except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
+            # one broken user recipe must not break every dlpipe command: name the file
+            raise ConfigError([f"recipe {path}: cannot be read ({str(e).splitlines()[0]})"]) from None
+        cs.store(group="recipe", name=name, node=node, package="_global_", provider=str(path.parent))
     return recipes

@@ -12,7 +12,7 @@ RESOLVERS = {
     "auto_workers": lambda: decisions.workers().value,
     "cuda_available": lambda: decisions.cuda_available().value,
     "auto_device": lambda: decisions.device().value,
-    "auto_amp": lambda: decisions.amp().value,
+    "auto_amp": lambda device: decisions.amp(device).value,
     "auto_prefetch": lambda num_workers: decisions.prefetch(num_workers).value,
     "auto_persistent": lambda num_workers, epochs, dataset_size: decisions.persistent(
         num_workers, epochs, dataset_size

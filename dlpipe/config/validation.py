@@ -2,6 +2,7 @@
 
 import importlib
 import inspect
+import re
 
 from dlpipe.config.schema import LoaderConfig, TrackingConfig, TrainerConfig
 from dlpipe.errors import ConfigError
@@ -49,7 +50,7 @@ def _check_trainer(c: TrainerConfig) -> list[str]:
         p.append(f"trainer.val_fraction={c.val_fraction}: must be in [0, 1)")
     if c.log_every < 1:
         p.append(f"trainer.log_every={c.log_every}: must be >= 1")
-    if not (c.device in ("cpu", "cuda", "mps") or c.device.startswith("cuda:")):
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", c.device):
         p.append(f"trainer.device={c.device}: allowed: cpu, cuda, cuda:N, mps")
     if c.amp == "fp16" and not c.device.startswith("cuda"):
         p.append(f"trainer.amp=fp16 with trainer.device={c.device}: fp16 needs CUDA; use bf16 or off")
