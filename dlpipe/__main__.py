@@ -1,4 +1,4 @@
-"""`python -m dlpipe` (and `torchrun -m dlpipe`) run the same entry point as the `dlpipe` script."""
+"""`python -m dlpipe` runs the same entry point as the `dlpipe` script."""
 
 from dlpipe.cli import main
 
