@@ -5,6 +5,7 @@ every `interval` seconds (psutil and NVML calls release the GIL while they read 
 driver), so the training loop never waits for it.
 """
 
+import logging
 import statistics
 import threading
 import time
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 import psutil
 
 from dlpipe import gpu, hardware
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,18 +70,32 @@ class EpochClock:
         return out
 
 
+# CPU times tick at 10 ms (/proc reports clock ticks), so a span of a few ticks reads 0% or 200%.
+# A window shorter than this is divided as if it were this long: it under-reads instead of
+# inventing a 500% spike (the runner only gets such windows from toy epochs).
+MIN_CPU_SPAN_S = 0.1
+
+# Levels read at a sampling instant; window() gives their means weighted by the span each sample
+# closes, so the tiny sample taken inside window() counts for as little time as it covers.
+LEVEL_KEYS = ("rss_mb", "workers_rss_mb", "workers_alive", "sys_mem_used_pct", "gpu_util", "gpu_mem_used_mb")
+
+
 class ResourceSampler:
     """Samples CPU (this process and its DataLoader workers), RSS, system memory and GPU on a thread.
 
-    `window()` returns the means since the previous call, so each epoch gets its own numbers.
+    `window()` returns the figures since the previous call, so each epoch gets its own numbers.
+    "Workers" are all descendant processes, including those that exited since the last sample.
     GPU metrics appear only when NVML works; otherwise `gpu_status` says why, once.
     """
 
-    def __init__(self, interval_s: float = 0.5, cpu_budget: int | None = None, gpu_index: int | None = None):
+    def __init__(
+        self, interval_s: float = 0.5, cpu_budget: int | None = None, gpu_index: int | str | None = None
+    ):
         self.interval_s = interval_s
         self.cpu_budget = cpu_budget or hardware.cpu_budget().budget
         self._proc = psutil.Process()
-        self._last_cpu: dict[int, float] = {}
+        self._main_cpu_s = 0.0  # this process's own cumulative CPU at the last sample
+        self._workers_cpu_s = 0.0  # high-water mark of the descendants' cumulative CPU (see _sample)
         self._last_t = time.monotonic()
         self._samples: list[dict[str, float]] = []
         self._lock = threading.Lock()
@@ -86,7 +103,7 @@ class ResourceSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml = None
-        self._gpu_index = gpu_index
+        self._gpu_index = gpu_index  # an NVML index or UUID, passed through to gpu.Nvml
         self.gpu_status = "not requested"
 
     def start(self) -> "ResourceSampler":
@@ -96,7 +113,8 @@ class ResourceSampler:
                 self.gpu_status = "measured"
             except gpu.NvmlUnavailable as e:
                 self.gpu_status = f"not available: {e}"
-        self._sample()  # baseline for the CPU-time deltas
+        # Baseline: CPU already spent (ours, live children's, reaped children's) is not ours to report.
+        self._sample()
         with self._lock:
             self._samples.clear()
         self._thread = threading.Thread(target=self._run, name="dlpipe-sampler", daemon=True)
@@ -115,31 +133,27 @@ class ResourceSampler:
         while not self._stop.wait(self.interval_s):
             self._sample()
 
-    def _cpu_seconds(self) -> tuple[float, float, float, int]:
-        """(main cpu-seconds delta, workers cpu-seconds delta, workers RSS bytes, worker count)."""
-        main = workers = rss_workers = 0.0
-        procs = [self._proc]
-        try:
-            procs += self._proc.children(recursive=True)
-        except psutil.Error:
-            pass  # the process table changed under us; the next sample catches up
-        seen = {}
-        for p in procs:
+    def _read_tree(self) -> tuple[float, float, float, int]:
+        """Cumulative CPU seconds of (this process, its descendants), the descendants' RSS bytes and count.
+
+        A descendant's CPU is in exactly one place: its own times while it is listed, its reaper's
+        children times once it was reaped (DataLoader joins its workers; forkserver workers are
+        reaped by the forkserver, a descendant too). Summing both counts every worker's whole life,
+        including one born and gone between two samples, with no per-pid bookkeeping.
+        """
+        t = self._proc.cpu_times()
+        main = t.user + t.system
+        descendants = t.children_user + t.children_system
+        rss = 0
+        kids = self._proc.children(recursive=True)
+        for p in kids:
             try:
-                t = p.cpu_times()
-                total = t.user + t.system
-                rss = p.memory_info().rss if p is not self._proc else 0
+                c = p.cpu_times()
+                rss += p.memory_info().rss
             except psutil.Error:
-                continue  # a worker that exited between listing and reading
-            seen[p.pid] = total
-            delta = total - self._last_cpu.get(p.pid, total if p is not self._proc else 0.0)
-            if p is self._proc:
-                main = delta
-            else:
-                workers += delta
-                rss_workers += rss
-        self._last_cpu = seen
-        return main, workers, rss_workers, len(procs) - 1
+                continue  # exited after the listing: _sample's high-water mark covers the gap
+            descendants += c.user + c.system + c.children_user + c.children_system
+        return main, descendants, rss, len(kids)
 
     def _sample(self) -> None:
         # The thread and window() both sample; the CPU-time deltas must not interleave.
@@ -148,15 +162,27 @@ class ResourceSampler:
 
     def _sample_locked(self) -> None:
         now = time.monotonic()
+        try:
+            main_total, workers_total, rss_workers, n_workers = self._read_tree()
+            rss = self._proc.memory_info().rss
+        except psutil.Error as e:
+            # Not expected for our own process; skipping is safe: the next sample's deltas cover this span.
+            log.debug("resource sample skipped: %s", e)
+            return
         elapsed = max(now - self._last_t, 1e-6)
         self._last_t = now
-        main, workers, rss_workers, n_workers = self._cpu_seconds()
+        main = main_total - self._main_cpu_s
+        self._main_cpu_s = main_total
+        # A worker that exited but is not reaped yet (or is reaped between our reads) is in neither
+        # sum for a moment, so the total can dip. Counting only growth above the high-water mark
+        # keeps the dip from being counted a second time when the worker shows up in our children times.
+        workers = max(workers_total - self._workers_cpu_s, 0.0)
+        self._workers_cpu_s = max(workers_total, self._workers_cpu_s)
         s = {
-            # share of the CPU budget used by the whole process tree, in percent
-            "cpu_util": 100.0 * (main + workers) / (elapsed * self.cpu_budget),
-            "cpu_main_pct": 100.0 * main / elapsed,
-            "cpu_workers_pct": 100.0 * workers / elapsed,
-            "rss_mb": self._proc.memory_info().rss / 2**20,
+            "elapsed_s": elapsed,
+            "main_cpu_s": main,
+            "workers_cpu_s": workers,
+            "rss_mb": rss / 2**20,
             "workers_rss_mb": rss_workers / 2**20,
             "workers_alive": float(n_workers),
             "sys_mem_used_pct": psutil.virtual_memory().percent,
@@ -173,15 +199,28 @@ class ResourceSampler:
             self._samples.append(s)
 
     def window(self) -> dict[str, float]:
-        """Means of the samples since the last call, plus the peak RSS.
+        """CPU use, mean memory/GPU levels and peak RSS since the last call.
 
-        Takes one sample now, so an epoch shorter than the interval still gets numbers.
+        Takes one sample now, so an epoch shorter than the interval still gets numbers. CPU
+        percentages are total CPU-seconds over total wall seconds, not a mean of per-sample ratios.
         """
         self._sample()
         with self._lock:
             samples, self._samples = self._samples, []
         if not samples:
             return {}
-        out = {k: statistics.fmean(s[k] for s in samples if k in s) for k in samples[0]}
+        span = max(sum(s["elapsed_s"] for s in samples), MIN_CPU_SPAN_S)
+        main = sum(s["main_cpu_s"] for s in samples)
+        workers = sum(s["workers_cpu_s"] for s in samples)
+        out = {
+            # share of the CPU budget used by the whole process tree, in percent
+            "cpu_util": 100.0 * (main + workers) / (span * self.cpu_budget),
+            "cpu_main_pct": 100.0 * main / span,
+            "cpu_workers_pct": 100.0 * workers / span,
+        }
+        for key in LEVEL_KEYS:
+            weighted = [(s[key], s["elapsed_s"]) for s in samples if key in s]
+            if weighted:
+                out[key] = sum(v * w for v, w in weighted) / sum(w for _, w in weighted)
         out["rss_peak_mb"] = max(s["rss_mb"] for s in samples)
         return out

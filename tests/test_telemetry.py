@@ -66,16 +66,23 @@ def test_empty_and_single_step_epochs_summarise_without_percentiles():
 
 
 class BusyDataset(Dataset):
-    """CPU-bound items: a pure-Python loop per item, like a decode/augment pipeline."""
+    """CPU-bound items: a pure-Python loop per item, like a decode/augment pipeline.
+
+    Each item is the CPU time its worker spent making it, measured inside the worker.
+    """
+
+    def __init__(self, n: int = 24):
+        self.n = n
 
     def __len__(self):
-        return 24
+        return self.n
 
     def __getitem__(self, i):
+        t0 = time.process_time()
         total = 0
         for k in range(400_000):
             total += k * k % 7
-        return torch.tensor([float(total)])
+        return torch.tensor([time.process_time() - t0])
 
 
 def sampler_threads() -> set[threading.Thread]:
@@ -115,6 +122,65 @@ def test_sampler_reports_cpu_memory_and_workers_of_a_real_loader():
         assert "gpu_util" not in w
     assert during["workers_alive"] > 0 and during["workers_rss_mb"] > 0
     assert after["cpu_workers_pct"] > 0  # the workers burned CPU during the second half
+
+
+# CPU times tick at 10 ms: the children times (user, system) read at each end of a window may each
+# be a tick short, and the window's span and the test's wall clock differ by a few ms.
+TICK_SLACK_S = 0.05
+
+
+def run_epoch(loader, sampler) -> tuple[dict[str, float], float, float]:
+    """One pass over a fresh iterator, then sampler.window(): (window, wall s, worker CPU s the items measured)."""
+    t0 = time.monotonic()
+    items_cpu = sum(float(x.sum()) for x in loader)  # non-persistent workers are joined when this ends
+    w = sampler.window()
+    return w, time.monotonic() - t0, items_cpu
+
+
+def test_short_lived_workers_cpu_is_counted_in_every_epoch():
+    """Non-persistent workers live one epoch; each epoch reports at least the CPU the workers measured themselves."""
+    loader = DataLoader(BusyDataset(24), batch_size=1, num_workers=2, persistent_workers=False)
+    sampler = ResourceSampler(interval_s=0.1, cpu_budget=2).start()
+    try:
+        sampler.window()  # start the first epoch's window here, as the runner does at an epoch boundary
+        epochs = [run_epoch(loader, sampler) for _ in range(2)]
+    finally:
+        sampler.stop()
+    for w, wall, items_cpu in epochs:
+        assert w["cpu_workers_pct"] > 0
+        # the workers' whole lives fall inside the window: their CPU is at least what __getitem__ measured
+        assert w["cpu_workers_pct"] / 100 * wall >= items_cpu - TICK_SLACK_S
+
+
+def test_workers_that_exit_between_two_samples_still_count():
+    """With no thread sample during the epoch, the workers' CPU comes from this process's reaped-children times."""
+    loader = DataLoader(BusyDataset(8), batch_size=1, num_workers=2, persistent_workers=False)
+    sampler = ResourceSampler(interval_s=5.0, cpu_budget=2).start()
+    try:
+        w, wall, items_cpu = run_epoch(loader, sampler)
+    finally:
+        sampler.stop()
+    assert w["workers_alive"] == 0  # the only sample in the window came after the workers were joined
+    assert w["cpu_workers_pct"] > 0
+    assert w["cpu_workers_pct"] / 100 * wall >= items_cpu - TICK_SLACK_S
+
+
+def test_windows_a_few_ms_long_stay_within_what_the_processes_can_use():
+    """window() right after window(), while workers compute, keeps cpu_util in [0, 100 x processes]: no tick spike."""
+    workers = 2
+    loader = DataLoader(BusyDataset(), batch_size=1, num_workers=workers, persistent_workers=True)
+    sampler = ResourceSampler(interval_s=0.05, cpu_budget=1).start()
+    tiny = []
+    try:
+        for _ in loader:
+            sampler.window()  # closes the window that holds this batch's wait
+            tiny.append(sampler.window())  # a window a few ms long; the workers are still prefetching
+    finally:
+        sampler.stop()
+    for w in tiny:
+        # each process runs one busy thread, so the tree cannot use more than one CPU per process
+        assert 0.0 <= w["cpu_util"] <= 100.0 * (1 + workers)
+        assert w["cpu_main_pct"] >= 0.0 and w["cpu_workers_pct"] >= 0.0
 
 
 @pytest.mark.skipif(nvml_works(), reason="a working NVIDIA driver is present")
