@@ -4,7 +4,6 @@ Everything a user can get wrong is checked and built *before* a tracking run sta
 value or an unreadable dataset leaves no half-made MLflow run behind.
 """
 
-import copy
 import logging
 import os
 import signal
@@ -56,94 +55,12 @@ def _git_commit() -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-def _instantiate(group: str, node: dict, **extra):
-    from hydra.utils import instantiate
-
-    try:
-        return instantiate(node, **extra)
-    except DlpipeError:
-        raise
-    except Exception as e:  # a user's class may raise anything: name the group and target
-        cause = e.__cause__ or e  # Hydra wraps the constructor's exception
-        raise ConfigError([f"{group}._target_={node.get('_target_')}: {type(cause).__name__}: {cause}"]) from e
-
-
-def check_device(device: str) -> None:
-    """The requested device must exist here; checked before anything is built or tracked."""
-    import torch
-
-    if device == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(["trainer.device=mps: this torch build or machine has no MPS device; use cpu"])
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError([f"trainer.device={device}: torch sees no CUDA device (CPU-only build or no driver); use trainer.device=cpu"])
-        index = int(device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise ConfigError([f"trainer.device={device}: only cuda:0 to cuda:{torch.cuda.device_count() - 1} are visible"])
-
-
 def check_single_process(environ) -> None:
     """Refuse torchrun/Slurm multi-rank launches until data-parallel training exists: N ranks would
     each train the whole dataset and write to the same output directory."""
     world = environ.get("WORLD_SIZE", "1")
     if world.isdigit() and int(world) > 1:
         raise DlpipeError(f"WORLD_SIZE={world}: dlpipe trains in one process for now; launch it without torchrun")
-
-
-def validation_view(dataset):
-    """The same samples without random augmentation, so every epoch and every sweep job scores
-    identical inputs. Applies to datasets with an `augment` attribute (the built-in image ones);
-    a shallow copy shares the decoded-once data."""
-    if not getattr(dataset, "augment", False):
-        return dataset
-    plain = copy.copy(dataset)
-    plain.augment = False
-    return plain
-
-
-def build_data_and_model(resolved: dict):
-    """Dataset splits, model and optimizer; raises ConfigError/DataError naming the bad key."""
-    from torch.utils.data import Subset
-
-    from dlpipe.data.split import train_val_split
-
-    trainer = resolved["trainer"]
-    check_device(trainer["device"])
-    dataset = _instantiate("dataset", resolved["dataset"])
-    train_set, val_set = train_val_split(dataset, trainer["val_fraction"], trainer["seed"])
-    if val_set is not None:
-        val_set = Subset(validation_view(dataset), val_set.indices)
-    model_cfg = dict(resolved["model"])
-    if model_cfg.get("num_classes", 0) is None:
-        if not hasattr(dataset, "num_classes"):
-            raise ConfigError([f"model.num_classes=null: {type(dataset).__name__} has no num_classes; set model.num_classes"])
-        model_cfg["num_classes"] = int(dataset.num_classes)
-    model = _instantiate("model", model_cfg)
-    # The model's parameters are the optimizer's first argument, `params`, passed here.
-    optimizer = _instantiate("optim", resolved["optim"], params=model.parameters())
-    return train_set, val_set, model, optimizer
-
-
-def build_loaders(resolved: dict, train_set, val_set):
-    from dlpipe.data.loader import build_loader
-
-    lc = dict(resolved["loader"])
-    val_batch = lc.pop("val_batch_size") or lc["batch_size"]
-    cuda = resolved["trainer"]["device"].startswith("cuda")
-    seed = resolved["trainer"]["seed"]
-    train = build_loader(train_set, **lc, seed=seed, cuda=cuda, role="train")
-    if len(train.loader) == 0:
-        raise ConfigError([
-            f"loader.batch_size={lc['batch_size']} with loader.drop_last={str(lc['drop_last']).lower()}: the training "
-            f"split has {len(train_set)} samples, so there is no batch to train on; lower batch_size or set drop_last=false"
-        ])
-    val = None
-    if val_set is not None:
-        # Validation never shuffles or drops samples: every run scores the same items. Its workers
-        # live only while it runs: persistent ones would sit idle, holding memory, through training.
-        lc.update(batch_size=val_batch, shuffle=False, drop_last=False, persistent_workers=False)
-        val = build_loader(val_set, **lc, seed=seed, cuda=cuda, role="val")
-    return train, val
 
 
 @contextmanager
@@ -189,6 +106,15 @@ def open_run(ctx: JobContext, tracking: dict, tags: dict[str, str]):
         raise DlpipeError(f"tracking.uri={tracking['uri']}: cannot start an MLflow run ({first}); use tracking=none to train without tracking") from e
 
 
+def gpu_for(device: str) -> int | str | None:
+    """The NVML device to sample for a torch device string (None off CUDA)."""
+    from dlpipe.gpu import nvml_index
+
+    if not device.startswith("cuda"):
+        return None
+    return nvml_index(int(device.partition(":")[2] or 0), os.environ)
+
+
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     """Train one job; returns the last validation loss (for sweepers that minimise it)."""
     check_single_process(os.environ)
@@ -197,11 +123,14 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     for key, why in decided.items():
         log.info("%s = %s", key, why)
 
+    from dlpipe.build import build_data_and_model, build_loaders
     from dlpipe.console import summary_table
+    from dlpipe.profiling import AllocationSnapshot, StepProfiler
     from dlpipe.runner import Trainer, TrainSettings, seed_everything
     from dlpipe.telemetry import ResourceSampler
+    from dlpipe.verdict import diagnose, rss_slope, run_metrics, worker_leak
 
-    trainer_cfg = resolved["trainer"]
+    trainer_cfg, telemetry = resolved["trainer"], resolved["telemetry"]
     seed_everything(trainer_cfg["seed"], trainer_cfg["deterministic"])
     train_set, val_set, model, optimizer = build_data_and_model(resolved)
     train_plan, val_plan = build_loaders(resolved, train_set, val_set)
@@ -231,10 +160,22 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     if commit:
         tags["mlflow.source.git.commit"] = commit
 
-    settings = TrainSettings(**{k: trainer_cfg[k] for k in TrainSettings.__dataclass_fields__})
-    device = settings.device
-    gpu_index = (int(device.split(":")[1]) if ":" in device else 0) if device.startswith("cuda") else None
-    sampler = ResourceSampler(resolved["tracking"]["sample_interval_s"], budget.budget, gpu_index)
+    fields = TrainSettings.__dataclass_fields__
+    settings = TrainSettings(**{k: v for k, v in trainer_cfg.items() if k in fields},
+                             cuda_sync_every=telemetry["cuda_sync_every"])
+    device_type = settings.device.partition(":")[0]
+    sampler = ResourceSampler(telemetry["sample_interval_s"], budget.budget, gpu_for(settings.device))
+    profile_dir = ctx.output_dir / "profile"
+    profiler = StepProfiler(profile_dir, telemetry["profile_steps"], telemetry["profile_wait"], device_type)
+    allocations = AllocationSnapshot(profile_dir, telemetry["tracemalloc"])
+    loader = train_plan.loader
+
+    def judge(metrics: dict[str, float]):
+        return diagnose(metrics, num_workers=loader.num_workers, cpu_budget=budget.budget,
+                        pin_memory=loader.pin_memory, device_type=device_type)
+
+    def report_epoch(row: dict[str, float]) -> None:
+        log.info("epoch %d: %s", int(row["epoch"]), judge(row).line())
 
     with sigterm_ends_run(), open_run(ctx, resolved["tracking"], tags) as tracked:
         tracked.log_params(params)
@@ -242,14 +183,32 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
         sampler.start()
         if sampler.gpu_status.startswith("not available"):
             log.info("GPU metrics %s", sampler.gpu_status)
+        allocations.start()
+        profiler.start()
         try:
-            trainer = Trainer(model, optimizer, settings, metrics=tracked, sampler=sampler)
+            trainer = Trainer(model, optimizer, settings, metrics=tracked, sampler=sampler,
+                              on_epoch=report_epoch, profiler=profiler if profiler.enabled else None)
             history = trainer.fit(train_plan.loader, val_plan.loader if val_plan else None)
         finally:
             sampler.stop()
-        tracked.set_tags({"dlpipe.gpu_metrics": sampler.gpu_status, "dlpipe.optimizer_steps": str(trainer.step)})
+            written = profiler.finish() + allocations.finish()  # files stay in the output dir on failure
+        for path in written:
+            tracked.log_artifact(path, "profile")
+
+        verdict = judge(run_metrics(history))
+        end_tags = {"dlpipe.gpu_metrics": sampler.gpu_status, "dlpipe.optimizer_steps": str(trainer.step),
+                    "dlpipe.verdict": verdict.kind, "dlpipe.verdict_detail": verdict.line()}
+        leak = worker_leak(history, loader.persistent_workers)
+        if leak:
+            log.warning(leak)
+            end_tags["dlpipe.worker_memory"] = leak
+        rss = [r["worker_rss_max_mb"] for r in history if "worker_rss_max_mb" in r]
+        if len(rss) >= 2:
+            tracked.log_metrics({"worker_rss_slope_mb_per_epoch": rss_slope(rss)}, step=len(history))
+        tracked.set_tags(end_tags)
 
     print(summary_table(history), flush=True)
+    print(f"bottleneck: {verdict.line()}", flush=True)
     if tracked.run_id:
         log.info("MLflow run %s (%s) in %s", tracked.run_id, tracked.status, resolved["tracking"]["uri"])
     return history[-1].get("val_loss") if history else None

@@ -5,6 +5,7 @@ It takes built objects and plain settings (no config framework), so tests drive 
 
 import logging
 import random
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class TrainSettings:
     empty_cache_every: int = 0
     log_every: int = 50
     progress: bool = True
+    cuda_sync_every: int = 25
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -90,13 +92,19 @@ class Trainer:
         metrics: MetricSink | None = None,
         sampler: ResourceSampler | None = None,
         empty_cache: Callable[[], None] | None = None,
+        on_epoch: Callable[[dict[str, float]], None] | None = None,
+        profiler=None,
     ):
+        """`on_epoch` sees each epoch's metrics after they are logged (the job prints the verdict
+        there); `profiler` gets .step() after every micro-batch (dlpipe.profiling.StepProfiler)."""
         self.settings = settings
         self.device = torch.device(settings.device)
         self.model = model.to(self.device)
         self.optimizer = optimizer
         self.metrics = metrics or NoMetrics()
         self.sampler = sampler
+        self.on_epoch = on_epoch
+        self.profiler = profiler
         self.empty_cache = empty_cache or torch.cuda.empty_cache
         self.amp_dtype = AMP_DTYPES.get(settings.amp)
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
@@ -123,6 +131,8 @@ class Trainer:
                 row.update(self.sampler.window())
             self.metrics.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
             self.history.append(row)
+            if self.on_epoch is not None:
+                self.on_epoch(row)
             if self._done():
                 log.info("stopping: reached trainer.max_steps=%d", s.max_steps)
                 break
@@ -145,8 +155,14 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)  # stays on device: no sync per step
         seen = 0
         non_blocking = self.device.type == "cuda" and getattr(loader, "pin_memory", False)
+        # Copies are timed off the CPU only: pageable copies block here, pinned non_blocking ones
+        # only enqueue, so the time measured is what the host really waits for.
+        time_copies = self.device.type != "cpu"
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
 
-        clock = EpochClock()
+        clock = EpochClock(h2d_s=0.0 if time_copies else None)
         iterator = iter(loader)
         while total is None or clock.batches < total:
             try:
@@ -154,7 +170,12 @@ class Trainer:
             except StopIteration:
                 break
             clock.waited()
-            inputs, target = to_device(batch, self.device, non_blocking)
+            if time_copies:
+                started = time.perf_counter()
+                inputs, target = to_device(batch, self.device, non_blocking)
+                clock.h2d_s += time.perf_counter() - started
+            else:
+                inputs, target = to_device(batch, self.device, non_blocking)
             n = target.shape[0]
             if window_micro == 0:
                 # samples a full window holds; from the first micro-batch when a sampler makes batches
@@ -172,6 +193,12 @@ class Trainer:
             if window_micro == s.accumulate:
                 self._optimizer_step(window_samples, nominal)
                 window_micro = window_samples = 0
+                if cuda and s.cuda_sync_every and self.step % s.cuda_sync_every == 0:
+                    # CPU-GPU sync point, on purpose and rarely: without it the host runs ahead and
+                    # GPU time shows up later as "data wait" of whichever step blocks first.
+                    torch.cuda.synchronize(self.device)
+            if self.profiler is not None:
+                self.profiler.step()
             clock.stepped(n)
             progress.update(clock.batches, *clock.rates())
             if self._done():
@@ -181,8 +208,13 @@ class Trainer:
         # (The StopIteration that ends an epoch is where non-persistent workers are joined: that
         # wait counts in epoch_time_s but not in data wait.)
         del iterator
+        if cuda:
+            torch.cuda.synchronize(self.device)  # the epoch's GPU work belongs to this epoch's time
 
         stats = clock.summary()
+        if cuda:
+            stats["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+            stats["cuda_reserved_mb"] = torch.cuda.memory_reserved(self.device) / 2**20
         stats["train_loss"] = (loss_sum / max(seen, 1)).item()  # one sync per epoch
         progress.close(clock.batches, stats["samples_per_s"], stats["data_wait_frac"])
         return stats

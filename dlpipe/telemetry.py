@@ -24,6 +24,8 @@ class EpochClock:
 
     started: float = field(default_factory=time.perf_counter)
     data_wait_s: float = 0.0
+    h2d_s: float | None = None
+    """Seconds blocked in host-to-device copies; None when not measured (CPU training)."""
     first_batch_s: float | None = None
     samples: int = 0
     batches: int = 0
@@ -63,6 +65,9 @@ class EpochClock:
             "data_wait_frac": min(self.data_wait_s / elapsed, 1.0),
             "first_batch_s": self.first_batch_s or 0.0,
         }
+        if self.h2d_s is not None:
+            out["h2d_s"] = self.h2d_s
+            out["h2d_frac"] = min(self.h2d_s / elapsed, 1.0)
         if len(self.step_times) >= 2:
             q = statistics.quantiles(self.step_times, n=20)  # 5% steps: q[9] = p50, q[18] = p95
             out["step_time_p50_ms"] = q[9] * 1e3
@@ -77,7 +82,7 @@ MIN_CPU_SPAN_S = 0.1
 
 # Levels read at a sampling instant; window() gives their means weighted by the span each sample
 # closes, so the tiny sample taken inside window() counts for as little time as it covers.
-LEVEL_KEYS = ("rss_mb", "workers_rss_mb", "workers_alive", "sys_mem_used_pct", "gpu_util", "gpu_mem_used_mb")
+LEVEL_KEYS = ("rss_mb", "workers_rss_mb", "worker_rss_max_mb", "workers_alive", "sys_mem_used_pct", "shm_used_mb", "gpu_util", "gpu_mem_used_mb")
 
 
 class ResourceSampler:
@@ -134,7 +139,7 @@ class ResourceSampler:
             self._sample()
 
     def _read_tree(self) -> tuple[float, float, float, int]:
-        """Cumulative CPU seconds of (this process, its descendants), the descendants' RSS bytes and count.
+        """Cumulative CPU seconds of (this process, its descendants), the descendants' total and largest RSS, their count.
 
         A descendant's CPU is in exactly one place: its own times while it is listed, its reaper's
         children times once it was reaped (DataLoader joins its workers; forkserver workers are
@@ -144,16 +149,18 @@ class ResourceSampler:
         t = self._proc.cpu_times()
         main = t.user + t.system
         descendants = t.children_user + t.children_system
-        rss = 0
+        rss = biggest = 0
         kids = self._proc.children(recursive=True)
         for p in kids:
             try:
                 c = p.cpu_times()
-                rss += p.memory_info().rss
+                own = p.memory_info().rss
+                rss += own
+                biggest = max(biggest, own)
             except psutil.Error:
                 continue  # exited after the listing: _sample's high-water mark covers the gap
             descendants += c.user + c.system + c.children_user + c.children_system
-        return main, descendants, rss, len(kids)
+        return main, descendants, rss, biggest, len(kids)
 
     def _sample(self) -> None:
         # The thread and window() both sample; the CPU-time deltas must not interleave.
@@ -163,7 +170,7 @@ class ResourceSampler:
     def _sample_locked(self) -> None:
         now = time.monotonic()
         try:
-            main_total, workers_total, rss_workers, n_workers = self._read_tree()
+            main_total, workers_total, rss_workers, rss_biggest, n_workers = self._read_tree()
             rss = self._proc.memory_info().rss
         except psutil.Error as e:
             # Not expected for our own process; skipping is safe: the next sample's deltas cover this span.
@@ -184,9 +191,16 @@ class ResourceSampler:
             "workers_cpu_s": workers,
             "rss_mb": rss / 2**20,
             "workers_rss_mb": rss_workers / 2**20,
+            # the largest single worker: a leaking persistent worker shows here even while
+            # short-lived validation workers come and go in the sum above
+            "worker_rss_max_mb": rss_biggest / 2**20,
             "workers_alive": float(n_workers),
             "sys_mem_used_pct": psutil.virtual_memory().percent,
         }
+        shm_total, shm_free = hardware.shm_bytes(), hardware.shm_free_bytes()
+        if shm_total is not None and shm_free is not None:
+            # workers hand batches over through /dev/shm: Docker's 64 MB default fills up fast
+            s["shm_used_mb"] = (shm_total - shm_free) / 2**20
         if self._nvml is not None:
             try:
                 s["gpu_util"] = self._nvml.utilization(self._gpu_index)

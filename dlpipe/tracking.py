@@ -91,6 +91,9 @@ class MlflowRun:
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
 
+    def log_artifact(self, path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
     def end(self, status: str, reason: str | None = None) -> None:
         """Mark the run ended; set_terminated also drains this client's async metric queue first."""
         try:
@@ -126,6 +129,7 @@ class NullRun:
     def set_tags(self, tags): ...
     def log_metrics(self, metrics, step): ...
     def log_text(self, text, artifact_file): ...
+    def log_artifact(self, path, artifact_path=None): ...
 
     def __enter__(self):
         return self

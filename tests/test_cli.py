@@ -35,11 +35,26 @@ def test_smoke_run_is_recorded_in_mlflow(dlpipe, mlflow_store, mlflow_client):
     assert p["auto.loader.num_workers"].startswith(p["loader.num_workers"] + " (auto: CPU budget")
     assert p["dataset._target_"] == "dlpipe.data.vision.SyntheticJPEGDataset"
     assert run.data.tags["dlpipe.recipe"] == "smoke"
+    assert run.data.tags["dlpipe.verdict"] in {"input-bound", "cpu-budget-bound", "host-to-device-bound", "compute-bound"}
+    assert f"bottleneck: {run.data.tags['dlpipe.verdict']}" in r.stdout
+    assert {"worker_rss_max_mb", "shm_used_mb", "step_time_p95_ms"} <= set(run.data.metrics)
     assert "trainer.progress=false" in run.data.tags["dlpipe.overrides"]
     artifacts = [a.path for a in mlflow_client.list_artifacts(run.info.run_id, "config")]
     assert artifacts == ["config/resolved.yaml"]
     text = mlflow_client.download_artifacts(run.info.run_id, "config/resolved.yaml")
     assert "${" not in open(text).read()  # resolved, unlike Hydra's .hydra/config.yaml
+
+
+def test_profiler_and_allocation_snapshot_are_artifacts(dlpipe, mlflow_store, mlflow_client):
+    """telemetry.profile_steps and telemetry.tracemalloc store their tables and trace with the run."""
+    r = dlpipe(*FAST, "trainer.epochs=1", "telemetry.profile_steps=2", "telemetry.profile_wait=1",
+               "telemetry.tracemalloc=true", f"tracking.uri={mlflow_store}", "tracking.experiment=profile")
+    assert r.returncode == 0, r.stderr
+    [run] = runs_of(mlflow_client, "profile")
+    names = sorted(a.path for a in mlflow_client.list_artifacts(run.info.run_id, "profile"))
+    assert names == ["profile/profile_table.txt", "profile/profile_trace.json", "profile/tracemalloc_top.txt"]
+    table = open(mlflow_client.download_artifacts(run.info.run_id, "profile/profile_table.txt")).read()
+    assert "aten::" in table
 
 
 def test_multirun_makes_parent_with_child_runs(dlpipe, mlflow_store, mlflow_client):

@@ -15,7 +15,7 @@ from dlpipe.config.resolvers import RESOLVERS, register_resolvers
 from dlpipe.config.schema import register_schemas
 from dlpipe.config.validation import validate
 from dlpipe.errors import ConfigError
-from dlpipe.job import build_data_and_model, build_loaders
+from dlpipe.build import build_data_and_model, build_loaders
 
 # Small sizes so building every option stays fast; values only, nothing structural.
 SMALL = {
@@ -45,7 +45,7 @@ def group_options(group: str) -> list[str]:
 def test_every_conf_file_belongs_to_a_tested_option():
     """Each YAML in conf/ is either the primary config or a group option that the tests below compose."""
     for path in conf_dir().rglob("*.yaml"):
-        assert path.name == "config.yaml" or path.parent.name in {"dataset", "model", "loader", "optim", "trainer", "tracking"}, path
+        assert path.name == "config.yaml" or path.parent.name in {"dataset", "model", "loader", "optim", "trainer", "tracking", "telemetry"}, path
 
 
 @pytest.mark.parametrize("dataset, model", PAIRS)

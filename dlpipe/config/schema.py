@@ -84,12 +84,26 @@ class TrackingConfig:
     """MLflow experiment name."""
     run_name: Optional[str] = None
     """Run name; None derives one from the recipe and the overrides."""
-    sample_interval_s: float = 0.5
-    """Seconds between CPU/memory/GPU samples taken by the telemetry thread."""
     request_timeout_s: float = 10.0
     """HTTP timeout per tracking request, so an unreachable server fails in seconds, not minutes."""
     request_retries: int = 2
     """HTTP retries per tracking request."""
+
+
+@dataclass
+class TelemetryConfig:
+    """What is measured besides the step clock (which is always on and costs two clock reads a step)."""
+
+    sample_interval_s: float = 0.5
+    """Seconds between CPU/memory/GPU samples taken by the telemetry thread."""
+    cuda_sync_every: int = 25
+    """On CUDA, synchronise every N optimizer steps so time is charged to the step that spent it."""
+    profile_steps: int = 0
+    """Record this many micro-steps with torch.profiler (table + trace as MLflow artifacts); 0 = off."""
+    profile_wait: int = 5
+    """Micro-steps to skip before profiling (worker start-up and first allocations would dominate)."""
+    tracemalloc: bool = False
+    """Trace Python allocations and store the top ones at the end (slows Python-heavy loaders)."""
 
 
 @dataclass
@@ -102,6 +116,7 @@ class DlpipeConfig:
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
 
 def register_schemas() -> None:

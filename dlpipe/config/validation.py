@@ -4,7 +4,7 @@ import importlib
 import inspect
 import re
 
-from dlpipe.config.schema import LoaderConfig, TrackingConfig, TrainerConfig
+from dlpipe.config.schema import LoaderConfig, TelemetryConfig, TrackingConfig, TrainerConfig
 from dlpipe.errors import ConfigError
 
 _CONTEXTS = ("fork", "spawn", "forkserver")
@@ -61,12 +61,23 @@ def _check_tracking(c: TrackingConfig) -> list[str]:
     p = []
     if c.enabled and not c.uri:
         p.append("tracking.uri='': set a URI (sqlite:///mlflow.db, http://host:5000) or use tracking=none")
-    if c.sample_interval_s <= 0:
-        p.append(f"tracking.sample_interval_s={c.sample_interval_s}: must be > 0")
     if c.request_timeout_s <= 0:
         p.append(f"tracking.request_timeout_s={c.request_timeout_s}: must be > 0")
     if c.request_retries < 0:
         p.append(f"tracking.request_retries={c.request_retries}: must be >= 0")
+    return p
+
+
+def _check_telemetry(c: TelemetryConfig) -> list[str]:
+    p = []
+    if c.sample_interval_s <= 0:
+        p.append(f"telemetry.sample_interval_s={c.sample_interval_s}: must be > 0")
+    if c.cuda_sync_every < 0:
+        p.append(f"telemetry.cuda_sync_every={c.cuda_sync_every}: must be >= 0 (0 = only at epoch ends)")
+    if c.profile_steps < 0:
+        p.append(f"telemetry.profile_steps={c.profile_steps}: must be >= 0 (0 = off)")
+    if c.profile_wait < 0:
+        p.append(f"telemetry.profile_wait={c.profile_wait}: must be >= 0")
     return p
 
 
@@ -111,6 +122,7 @@ def validate(resolved: dict) -> None:
     problems += _check_loader(LoaderConfig(**resolved["loader"]))
     problems += _check_trainer(TrainerConfig(**resolved["trainer"]))
     problems += _check_tracking(TrackingConfig(**resolved["tracking"]))
+    problems += _check_telemetry(TelemetryConfig(**resolved["telemetry"]))
     problems += _check_target("dataset", resolved["dataset"])
     problems += _check_target("model", resolved["model"])
     # optimizers take the parameters first (a partial): skip it in the 'allowed' listing

@@ -1,0 +1,92 @@
+"""Objects from a resolved config: dataset splits, model, optimizer and DataLoaders.
+
+Everything here runs before a tracking run exists, so every user mistake it finds (a class that
+does not build, a device this machine lacks, a batch size that leaves no batch) is a ConfigError
+naming the key, and nothing is left half-made.
+"""
+
+import copy
+
+from dlpipe.errors import ConfigError, DlpipeError
+
+
+def _instantiate(group: str, node: dict, **extra):
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, **extra)
+    except DlpipeError:
+        raise
+    except Exception as e:  # a user's class may raise anything: name the group and target
+        cause = e.__cause__ or e  # Hydra wraps the constructor's exception
+        raise ConfigError([f"{group}._target_={node.get('_target_')}: {type(cause).__name__}: {cause}"]) from e
+
+
+def check_device(device: str) -> None:
+    """The requested device must exist here; checked before anything is built or tracked."""
+    import torch
+
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(["trainer.device=mps: this torch build or machine has no MPS device; use cpu"])
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError([f"trainer.device={device}: torch sees no CUDA device (CPU-only build or no driver); use trainer.device=cpu"])
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError([f"trainer.device={device}: only cuda:0 to cuda:{torch.cuda.device_count() - 1} are visible"])
+
+
+def validation_view(dataset):
+    """The same samples without random augmentation, so every epoch and every sweep job scores
+    identical inputs. Applies to datasets with an `augment` attribute (the built-in image ones);
+    a shallow copy shares the decoded-once data."""
+    if not getattr(dataset, "augment", False):
+        return dataset
+    plain = copy.copy(dataset)
+    plain.augment = False
+    return plain
+
+
+def build_data_and_model(resolved: dict):
+    """Dataset splits, model and optimizer; raises ConfigError/DataError naming the bad key."""
+    from torch.utils.data import Subset
+
+    from dlpipe.data.split import train_val_split
+
+    trainer = resolved["trainer"]
+    check_device(trainer["device"])
+    dataset = _instantiate("dataset", resolved["dataset"])
+    train_set, val_set = train_val_split(dataset, trainer["val_fraction"], trainer["seed"])
+    if val_set is not None:
+        val_set = Subset(validation_view(dataset), val_set.indices)
+    model_cfg = dict(resolved["model"])
+    if model_cfg.get("num_classes", 0) is None:
+        if not hasattr(dataset, "num_classes"):
+            raise ConfigError([f"model.num_classes=null: {type(dataset).__name__} has no num_classes; set model.num_classes"])
+        model_cfg["num_classes"] = int(dataset.num_classes)
+    model = _instantiate("model", model_cfg)
+    # The model's parameters are the optimizer's first argument, `params`, passed here.
+    optimizer = _instantiate("optim", resolved["optim"], params=model.parameters())
+    return train_set, val_set, model, optimizer
+
+
+def build_loaders(resolved: dict, train_set, val_set):
+    from dlpipe.data.loader import build_loader
+
+    lc = dict(resolved["loader"])
+    val_batch = lc.pop("val_batch_size") or lc["batch_size"]
+    cuda = resolved["trainer"]["device"].startswith("cuda")
+    seed = resolved["trainer"]["seed"]
+    train = build_loader(train_set, **lc, seed=seed, cuda=cuda, role="train")
+    if len(train.loader) == 0:
+        raise ConfigError([
+            f"loader.batch_size={lc['batch_size']} with loader.drop_last={str(lc['drop_last']).lower()}: the training "
+            f"split has {len(train_set)} samples, so there is no batch to train on; lower batch_size or set drop_last=false"
+        ])
+    val = None
+    if val_set is not None:
+        # Validation never shuffles or drops samples: every run scores the same items. Its workers
+        # live only while it runs: persistent ones would sit idle, holding memory, through training.
+        lc.update(batch_size=val_batch, shuffle=False, drop_last=False, persistent_workers=False)
+        val = build_loader(val_set, **lc, seed=seed, cuda=cuda, role="val")
+    return train, val
