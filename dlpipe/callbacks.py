@@ -2,7 +2,8 @@
 
 The parent's id reaches the jobs through an environment variable, which every launcher passes on:
 the basic launcher runs jobs in this process, submitit's local and Slurm executors inherit the
-submitting environment. At the end the parent gets a comparison table and the best job's name.
+submitting environment. At the end the parent gets a comparison table (sweep_summary.md), the same
+numbers as a bar chart (sweep_summary.png; both from dlpipe/sweep_report.py) and the best job's name.
 
 Hydra turns exceptions in callbacks into warnings, so a failure here never stops the sweep; the
 tests check the parent/child link in a real store to catch a silently broken callback.
@@ -12,48 +13,17 @@ import atexit
 import logging
 import os
 import signal
+import tempfile
+from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dlpipe.job import PARENT_RUN_ENV
+from dlpipe.sweep_report import job_names, sweep_plot, sweep_table
 from dlpipe.tracking import PARENT_TAG, Terminated, client_for, experiment_id
 
 log = logging.getLogger("dlpipe")
-
-# (column title, metric) for the sweep table; samples/s decides the best job
-COLUMNS = [
-    ("samples/s", "samples_per_s"),
-    ("data wait", "data_wait_frac"),
-    ("epoch s", "epoch_time_s"),
-    ("val loss", "val_loss"),
-    ("val acc", "val_accuracy"),
-    ("cpu %", "cpu_util"),
-    ("gpu %", "gpu_util"),
-    ("rss MB", "rss_peak_mb"),
-]
-
-
-def sweep_table(children) -> tuple[str, object | None, str]:
-    """A markdown table of child runs (overrides vs their last epoch's metrics), the fastest run and its name."""
-    header = "| job | status | " + " | ".join(t for t, _ in COLUMNS) + " |"
-    lines = [header, "|" + "---|" * (len(COLUMNS) + 2)]
-    ordered = sorted(children, key=lambda r: r.info.start_time)
-    # Name each job by what the sweep varied: overrides shared by every job are noise in the table.
-    overrides = [r.data.tags.get("dlpipe.overrides", "").split() for r in ordered]
-    common = set.intersection(*map(set, overrides)) if overrides else set()
-    names = {}
-    for r, own in zip(ordered, overrides):
-        cells = []
-        for _, key in COLUMNS:
-            v = r.data.metrics.get(key)
-            cells.append("-" if v is None else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}")
-        name = names[r.info.run_id] = " ".join(o for o in own if o not in common) or r.info.run_name
-        lines.append(f"| {name} | {r.info.status} | " + " | ".join(cells) + " |")
-    finished = [r for r in ordered if r.info.status == "FINISHED" and "samples_per_s" in r.data.metrics]
-    best = max(finished, key=lambda r: r.data.metrics["samples_per_s"], default=None)
-    return "\n".join(lines), best, names[best.info.run_id] if best else ""
-
 
 FAILED_TAG_PREFIX = "dlpipe.failed_job."  # + Hydra job number -> that job's overrides
 
@@ -134,6 +104,7 @@ class SweepTracking(Callback):
         table, best, best_name = sweep_table(children)
         self.client.log_text(parent, table + "\n", "sweep_summary.md")
         print(f"\nsweep summary ({len(children)} runs, last epoch of each)\n" + table, flush=True)
+        self._log_plot(parent, children)
 
         # A job that failed inside its run is both a non-FINISHED child and a failed-job tag:
         # count jobs by their overrides so it is counted once.
@@ -159,3 +130,14 @@ class SweepTracking(Callback):
         for k, v in tags.items():
             self.client.set_tag(parent, k, v)
         self.client.set_terminated(parent, status)
+
+    def _log_plot(self, parent: str, children) -> None:
+        """The table as a bar chart, artifact sweep_summary.png. The chart is an extra: if drawing or
+        uploading it fails, say so and let _finish go on to end the parent with its status."""
+        try:
+            with tempfile.TemporaryDirectory(prefix="dlpipe-sweep-") as tmp:
+                png = sweep_plot(children, job_names(children), Path(tmp) / "sweep_summary.png")
+                if png is not None:
+                    self.client.log_artifact(parent, str(png))
+        except Exception as e:  # noqa: BLE001 - any failure here must not leave the parent RUNNING
+            log.warning("sweep_summary.png not logged: %s: %s", type(e).__name__, e)

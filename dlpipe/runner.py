@@ -24,13 +24,18 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class MetricSink(Protocol):
-    """What the loop needs from a tracker: asynchronous metric logging."""
+    """What the loop needs from a tracker: cheap metric recording, and a flush between epochs."""
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def flush(self) -> None: ...
 
 
 class NoMetrics:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        return None
+
+    def flush(self) -> None:
         return None
 
 
@@ -130,6 +135,7 @@ class Trainer:
             if self.sampler is not None:
                 row.update(self.sampler.window())
             self.metrics.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
+            self.metrics.flush()  # between epochs: the write never interrupts a training step
             self.history.append(row)
             if self.on_epoch is not None:
                 self.on_epoch(row)

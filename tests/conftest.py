@@ -9,6 +9,11 @@ import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
 
+# MLflow 3 starts a usage-telemetry thread that reports to MLflow's servers; tests talk to
+# 127.0.0.1 only, so switch it off here and in every dlpipe subprocess.
+NO_PHONE_HOME = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+os.environ.update(NO_PHONE_HOME)
+
 
 @pytest.fixture(scope="session")
 def mlflow_store(tmp_path_factory) -> str:
@@ -23,6 +28,7 @@ def dlpipe(tmp_path):
     def run(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD"))}
         full_env["PYTHONPATH"] = str(TESTS_DIR)  # for tests/faulty_data.py datasets
+        full_env.update(NO_PHONE_HOME)
         full_env.update(env or {})
         return subprocess.run(
             [sys.executable, "-m", "dlpipe", *args], cwd=tmp_path, env=full_env,

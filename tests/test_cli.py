@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import TESTS_DIR, runs_of
+from conftest import NO_PHONE_HOME, TESTS_DIR, runs_of
 
 FAST = ["+recipe=smoke", "trainer.progress=false"]
 # The user's own config folder (--config-dir) adds dataset options; the MLP takes num_classes from the dataset.
@@ -72,6 +72,8 @@ def test_multirun_makes_parent_with_child_runs(dlpipe, mlflow_store, mlflow_clie
     assert parent.data.tags["dlpipe.jobs"] == "2"
     assert parent.data.tags["dlpipe.best_job"] in ("loader.num_workers=0", "loader.num_workers=1")
     assert "best_samples_per_s" in parent.data.metrics
+    artifacts = {a.path for a in mlflow_client.list_artifacts(parent.info.run_id)}
+    assert {"sweep_summary.md", "sweep_summary.png"} <= artifacts
     summary = open(mlflow_client.download_artifacts(parent.info.run_id, "sweep_summary.md")).read()
     assert "loader.num_workers=0" in summary and "loader.num_workers=1" in summary
     assert "sweep summary (2 runs" in r.stdout
@@ -232,6 +234,7 @@ def test_signal_ends_run_killed(tmp_path, mlflow_store, mlflow_client, sig, stat
     exp = f"signal-{sig.name}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env["PYTHONPATH"] = str(TESTS_DIR)
+    env.update(NO_PHONE_HOME)
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlpipe", *FAULTY, "dataset=slow", "loader.num_workers=0",
          f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}"],

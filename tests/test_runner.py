@@ -97,8 +97,13 @@ class RecordingSink:
     def __init__(self):
         self.calls: list[tuple[dict[str, float], int]] = []
 
+        self.flushes: list[int] = []  # len(calls) at each flush
+
     def log_metrics(self, metrics, step):
         self.calls.append((dict(metrics), step))
+
+    def flush(self):
+        self.flushes.append(len(self.calls))
 
 
 # --- gradient accumulation ------------------------------------------------------------------------
@@ -252,6 +257,9 @@ def test_metric_sink_gets_epoch_metrics_and_train_loss_step_every_log_every_step
     assert [s for _, s in step_calls] == [2, 4, 6, 8, 10, 12]
     assert [s for _, s in epoch_calls] == [1, 2]
     assert all(set(m) == {"train_loss_step"} for m, _ in step_calls)
+    # one flush per epoch, right after that epoch's metrics: never inside a training step
+    epoch_positions = [i + 1 for i, (m, _) in enumerate(sink.calls) if "train_loss_step" not in m]
+    assert sink.flushes == epoch_positions
 
     x, y = train.tensors
     vx, vy = val.tensors

@@ -91,7 +91,7 @@ def test_run_always_ends_with_an_honest_status(mlflow_store, mlflow_client, exc,
                 raise exc
     [stored] = runs_of(mlflow_client, exp)
     assert stored.info.status == status
-    assert stored.data.metrics["x"] == 1.0  # the async queue was flushed before the run ended
+    assert stored.data.metrics["x"] == 1.0  # the buffer was written before the run ended
     if reason:
         assert reason in stored.data.tags["dlpipe.end_reason"]
 
@@ -115,8 +115,17 @@ def test_many_and_long_params_are_stored(mlflow_store, mlflow_client):
     assert len(stored.data.params["long"]) == MAX_PARAM_CHARS and stored.data.params["long"].endswith("...")
 
 
+def test_metrics_are_buffered_until_flush(mlflow_store, mlflow_client):
+    """log_metrics only buffers (no store write inside a training step); flush writes them all."""
+    with _run(mlflow_store, "buffered") as run:
+        run.log_metrics({"loss": 0.5}, step=1)
+        assert mlflow_client.get_metric_history(run.run_id, "loss") == []
+        run.flush()
+        assert [m.value for m in mlflow_client.get_metric_history(run.run_id, "loss")] == [0.5]
+
+
 def test_metric_history_keeps_every_step(mlflow_store, mlflow_client):
-    """Asynchronous logging loses nothing: every step's value is in the store after the run ends."""
+    """Batched logging loses nothing: every step's value is in the store after the run ends."""
     with _run(mlflow_store, "history") as run:
         for step in range(1, 201):
             run.log_metrics({"loss": 1.0 / step}, step=step)

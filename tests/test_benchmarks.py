@@ -1,0 +1,63 @@
+"""Smoke runs of the scripts in benchmarks/ at tiny sizes, so they keep working.
+
+Not performance tests: they check that each script runs, exits 0 and writes its table, never a number.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_VISION = ["--set", "dataset.size=64", "--set", "dataset.image_size=32", "--set", "dataset.crop_size=28",
+               "--set", "trainer.epochs=1", "--set", "model.width=8"]
+
+
+def run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD"))}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def table_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
+
+
+def test_telemetry_overhead_runs_and_writes_its_table(tmp_path):
+    out = tmp_path / "telemetry.md"
+    r = run(["-m", "benchmarks.telemetry_overhead", "--rounds", "1", "--steps", "20", "--out", str(out)], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    rows = table_rows(out.read_text())
+    assert rows[0] == ["setting", "steps/s median", "steps/s min-max"]
+    assert [row[0].split(":")[0].split(" (")[0] for row in rows[2:]] == ["A", "B", "ratio B/A"]
+    assert "goal B/A >= 0.98" in out.read_text()
+    assert out.read_text() in r.stdout  # the same table is printed
+
+
+def test_gpu_case_study_runs_on_cpu_when_allowed(tmp_path):
+    out = tmp_path / "case.md"
+    script = REPO / "benchmarks" / "gpu_loader_case_study.py"
+    r = run([str(script), "--allow-cpu", "--rounds", "1", *TINY_VISION, "--out", str(out)], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    rows = table_rows(text)
+    assert rows[0] == ["setting", "device", "workers / pin / prefetch / persistent", "epoch s", "samples/s",
+                       "data wait %", "gpu %"]
+    assert [row[0] for row in rows[2:]] == ["pytorch", "auto"]
+    assert rows[2][2].startswith("0 / False")  # PyTorch's defaults: no workers, no pinning
+    assert all(row[6] == "n/a" for row in rows[2:])  # no GPU measured: said so, never 0%
+    assert "ratio auto/pytorch of samples/s" in text
+
+
+def test_gpu_case_study_refuses_politely_without_a_gpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: the script would run the case study")
+    r = run([str(REPO / "benchmarks" / "gpu_loader_case_study.py")], cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("\n") == 1 and "no CUDA GPU here" in r.stdout and "--allow-cpu" in r.stdout
+    assert not list(tmp_path.iterdir())  # nothing trained, nothing written
