@@ -122,6 +122,10 @@ def test_sampler_reports_cpu_memory_and_workers_of_a_real_loader():
         assert "gpu_util" not in w
     assert during["workers_alive"] > 0 and during["workers_rss_mb"] > 0
     assert after["cpu_workers_pct"] > 0  # the workers burned CPU during the second half
+    # per-worker figures are the totals shared out over the workers alive
+    assert during["worker_rss_mean_mb"] == pytest.approx(during["workers_rss_mb"] / during["workers_alive"])
+    assert during["worker_rss_mean_mb"] > 0
+    assert during["cpu_per_worker_pct"] == pytest.approx(during["cpu_workers_pct"] / during["workers_alive"])
 
 
 # CPU times tick at 10 ms: the children times (user, system) read at each end of a window may each
