@@ -18,7 +18,8 @@ import yaml
 from dlpipe import hardware
 from dlpipe.config.decisions import explain
 from dlpipe.config.validation import validate
-from dlpipe.errors import ConfigError, DlpipeError
+from dlpipe.errors import DlpipeError
+from dlpipe.redact import redact_text, redact_tree
 
 log = logging.getLogger("dlpipe")
 
@@ -92,7 +93,7 @@ def open_run(ctx: JobContext, tracking: dict, tags: dict[str, str]):
     # Name a run by what distinguishes it: the recipe and the overrides, less the recipe itself and
     # the tracking settings that are the same for every run in the store.
     varied = [o for o in ctx.overrides if not o.lstrip("+~").startswith(("recipe=", "tracking."))]
-    name = tracking["run_name"] or " ".join([ctx.recipe or "dlpipe", *varied])
+    name = tracking["run_name"] or redact_text(" ".join([ctx.recipe or "dlpipe", *varied]))
     try:
         return MlflowRun(
             tracking["uri"], tracking["experiment"], name, tags,
@@ -103,7 +104,7 @@ def open_run(ctx: JobContext, tracking: dict, tags: dict[str, str]):
         raise
     except Exception as e:  # MLflow raises many types for a bad URI or an unreachable server
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DlpipeError(f"tracking.uri={tracking['uri']}: cannot start an MLflow run ({first}); use tracking=none to train without tracking") from e
+        raise DlpipeError(f"tracking.uri={redact_text(tracking['uri'])}: cannot start an MLflow run ({redact_text(first)}); use tracking=none to train without tracking") from e
 
 
 def gpu_for(device: str) -> int | str | None:
@@ -139,11 +140,12 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
             log.warning(note)
 
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
-    resolved_yaml = yaml.safe_dump(resolved, sort_keys=False)
+    shown = redact_tree(resolved)  # what is recorded anywhere; `resolved` itself builds the job
+    resolved_yaml = yaml.safe_dump(shown, sort_keys=False)
     (ctx.output_dir / "resolved_config.yaml").write_text(resolved_yaml)
 
     budget = hardware.cpu_budget()
-    params = flatten(resolved)
+    params = flatten(shown)
     params.update(hardware.host_facts(cpu=budget))
     params.update({f"auto.{k}": v for k, v in decided.items()})
     params["loader.batch_bytes_est"] = str(train_plan.batch_bytes)
@@ -151,7 +153,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     params["model.parameters"] = str(sum(p.numel() for p in model.parameters()))
     tags = {
         "dlpipe.recipe": ctx.recipe or "none",
-        "dlpipe.overrides": " ".join(ctx.overrides) or "none",
+        "dlpipe.overrides": redact_text(" ".join(ctx.overrides)) or "none",
         "dlpipe.host": socket.gethostname(),
         "dlpipe.output_dir": str(ctx.output_dir),
         "mlflow.source.name": "dlpipe",
@@ -210,5 +212,5 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     print(summary_table(history), flush=True)
     print(f"bottleneck: {verdict.line()}", flush=True)
     if tracked.run_id:
-        log.info("MLflow run %s (%s) in %s", tracked.run_id, tracked.status, resolved["tracking"]["uri"])
+        log.info("MLflow run %s (%s) in %s", tracked.run_id, tracked.status, redact_text(resolved["tracking"]["uri"]))
     return history[-1].get("val_loss") if history else None

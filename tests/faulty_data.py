@@ -37,3 +37,18 @@ class SlowDataset(Dataset):
     def __getitem__(self, i):
         time.sleep(self.delay_s)
         return torch.randn(4), i % 2
+
+
+class TokenizedDataset(Dataset):
+    """Takes credentials like a dataset reading from remote storage would (they are never used)."""
+
+    num_classes = 2
+
+    def __init__(self, size: int = 32, api_token: str = "", mirror: str = ""):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        return torch.randn(4), i % 2

@@ -1,6 +1,5 @@
 """Config composition through Hydra's compose API: every group option, every recipe, resolvers, validation."""
 
-from pathlib import Path
 
 import pytest
 import torch

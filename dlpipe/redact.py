@@ -1,0 +1,38 @@
+"""Keep secrets out of what a run records: params, tags, the resolved-config artifact and logs.
+
+A config may hold a token or password (a dataset reading from object storage, a tracking URI with
+credentials). Values under secret-looking keys are masked, and so is the password part of any
+`scheme://user:password@host` URI, wherever it appears in a string.
+"""
+
+import re
+
+MASK = "***"
+# Whole words of a key (split at _ - . and case changes), so `hf_token` is a secret and
+# `max_tokens` or `tokenizer` are not.
+_SECRET_WORDS = {"token", "password", "passwd", "pwd", "secret", "apikey", "credential", "credentials", "auth"}
+_SECRET_PAIRS = {("api", "key"), ("private", "key"), ("access", "key")}
+_URI_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)(?P<pw>[^@\s/]+)(?P<at>@)")
+
+
+def is_secret_key(key: str) -> bool:
+    """True for keys like `token`, `db_password`, `aws_secret_access_key`, `api-key`, `apiKey`."""
+    name = key.rsplit(".", 1)[-1]
+    words = re.split(r"[_\-\s]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower())
+    return any(w in _SECRET_WORDS for w in words) or any(pair in _SECRET_PAIRS for pair in zip(words, words[1:]))
+
+
+def redact_text(text: str) -> str:
+    """Mask the password of every `scheme://user:password@host` in a string."""
+    return _URI_PASSWORD.sub(lambda m: m["head"] + MASK + m["at"], text)
+
+
+def redact_tree(tree):
+    """A copy of a plain config tree with secret keys masked and URI passwords removed."""
+    if isinstance(tree, dict):
+        return {k: MASK if is_secret_key(str(k)) and v is not None else redact_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [redact_tree(v) for v in tree]
+    if isinstance(tree, str):
+        return redact_text(tree)
+    return tree
