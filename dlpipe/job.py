@@ -116,6 +116,20 @@ def gpu_for(device: str) -> int | str | None:
     return nvml_index(int(device.partition(":")[2] or 0), os.environ)
 
 
+def out_of_memory_advice(resolved: dict, error: BaseException) -> str:
+    """One line for a CUDA OOM: halve the micro-batch and double accumulation, same effective batch."""
+    batch, accumulate = resolved["loader"]["batch_size"], resolved["trainer"]["accumulate"]
+    first = str(error).splitlines()[0] if str(error) else "CUDA out of memory"
+    if batch <= 1:
+        return f"{first}: loader.batch_size is already 1; use a smaller model or trainer.amp=bf16"
+    return (
+        f"{first}: with loader.batch_size={batch} trainer.accumulate={accumulate}, try "
+        f"loader.batch_size={batch // 2} trainer.accumulate={accumulate * 2} to keep the effective batch "
+        f"of {(batch // 2) * accumulate * 2} samples per optimizer step"
+        + ("" if batch % 2 == 0 else f" (was {batch * accumulate})")
+    )
+
+
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     """Train one job; returns the last validation loss (for sweepers that minimise it)."""
     check_single_process(os.environ)
@@ -123,6 +137,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     decided = explain(raw, resolved)
     for key, why in decided.items():
         log.info("%s = %s", key, why)
+
+    import torch
 
     from dlpipe.build import build_data_and_model, build_loaders
     from dlpipe.console import summary_table
@@ -191,6 +207,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
             trainer = Trainer(model, optimizer, settings, metrics=tracked, sampler=sampler,
                               on_epoch=report_epoch, profiler=profiler if profiler.enabled else None)
             history = trainer.fit(train_plan.loader, val_plan.loader if val_plan else None)
+        except torch.cuda.OutOfMemoryError as e:
+            raise DlpipeError(out_of_memory_advice(resolved, e)) from e
         finally:
             sampler.stop()
             written = profiler.finish() + allocations.finish()  # files stay in the output dir on failure

@@ -52,3 +52,18 @@ class TokenizedDataset(Dataset):
 
     def __getitem__(self, i):
         return torch.randn(4), i % 2
+
+
+class OutOfMemoryModel(torch.nn.Module):
+    """Raises the exception type a real CUDA OOM raises, at the given forward call (CPU stand-in)."""
+
+    def __init__(self, in_features: int = 4, num_classes: int = 2, fail_at: int = 3):
+        super().__init__()
+        self.linear = torch.nn.Linear(in_features, num_classes)
+        self.fail_at, self.calls = fail_at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.linear(x)

@@ -181,6 +181,19 @@ def test_corrupt_image_in_a_worker_fails_the_run_with_one_line(dlpipe, tmp_path,
     assert run.info.status == "FAILED" and str(bad) in run.data.tags["dlpipe.end_reason"]
 
 
+def test_out_of_memory_suggests_smaller_batch_with_accumulation(dlpipe, mlflow_store, mlflow_client):
+    """A CUDA OOM (its exception type, raised on CPU) ends FAILED with one line keeping the effective batch."""
+    r = dlpipe("--config-dir", str(TESTS_DIR / "conf"), "model=oom", "dataset=tabular", "dataset.size=512",
+               "loader=in_memory", "loader.batch_size=64", "trainer.accumulate=2", "trainer.progress=false",
+               f"tracking.uri={mlflow_store}", "tracking.experiment=oom")
+    assert r.returncode == 2, r.stderr
+    [line] = [x for x in r.stderr.splitlines() if x.startswith("dlpipe: error: ")]
+    assert "CUDA out of memory" in line and "try loader.batch_size=32 trainer.accumulate=4" in line
+    assert "effective batch of 128" in line and "Traceback" not in r.stderr
+    [run] = runs_of(mlflow_client, "oom")
+    assert run.info.status == "FAILED" and "loader.batch_size=32" in run.data.tags["dlpipe.end_reason"]
+
+
 def test_broken_user_recipe_names_the_file(dlpipe, tmp_path):
     """A recipe file that is not valid YAML is reported by path, for every command, without a traceback."""
     mine = tmp_path / "recipes"
