@@ -85,7 +85,7 @@ def sigterm_ends_run():
         signal.signal(signal.SIGTERM, previous)
 
 
-def open_run(ctx: JobContext, tracking: dict, tags: dict[str, str]):
+def open_run(ctx: JobContext, tracking: dict, tags: dict[str, str], resume_run_id: str | None = None):
     from dlpipe.tracking import MlflowRun, NullRun
 
     if not tracking["enabled"]:
@@ -99,6 +99,7 @@ def open_run(ctx: JobContext, tracking: dict, tags: dict[str, str]):
             tracking["uri"], tracking["experiment"], name, tags,
             parent_run_id=os.environ.get(PARENT_RUN_ENV) if ctx.multirun else None,
             timeout_s=tracking["request_timeout_s"], retries=tracking["request_retries"],
+            resume_run_id=resume_run_id,
         )
     except DlpipeError:
         raise
@@ -141,6 +142,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     import torch
 
     from dlpipe.build import build_data_and_model, build_loaders
+    from dlpipe.checkpoint import CheckpointStore
+    from dlpipe.resume import check_model_fits, config_changes, find_start
     from dlpipe.console import summary_table
     from dlpipe.profiling import AllocationSnapshot, StepProfiler
     from dlpipe.runner import Trainer, TrainSettings, seed_everything
@@ -161,7 +164,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     (ctx.output_dir / "resolved_config.yaml").write_text(resolved_yaml)
 
     budget = hardware.cpu_budget()
-    params = flatten(shown)
+    config_flat = flatten(shown)
+    params = dict(config_flat)
     params.update(hardware.host_facts(cpu=budget))
     params.update({f"auto.{k}": v for k, v in decided.items()})
     params["loader.batch_bytes_est"] = str(train_plan.batch_bytes)
@@ -187,15 +191,33 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     profiler = StepProfiler(profile_dir, telemetry["profile_steps"], telemetry["profile_wait"], device_type)
     allocations = AllocationSnapshot(profile_dir, telemetry["tracemalloc"])
     loader = train_plan.loader
+    trainer = Trainer(model, optimizer, settings, sampler=sampler, profiler=profiler if profiler.enabled else None)
+
+    ck = resolved["checkpoint"]
+    store = CheckpointStore(Path(ck["dir"]) if ck["dir"] else ctx.output_dir / "checkpoints",
+                            ck["keep_last"], ck["monitor"], ck["mode"])
+    start, start_path = find_start(store, ck["resume"])
+    if start is not None:
+        check_model_fits(model, start["model"], start_path)
+        changed = config_changes(start.get("config", {}), config_flat)
+        if changed:
+            log.warning("resuming with a changed config: %s", ", ".join(changed))
+        trainer.load_state_dict(start, loader.generator)
+        tags["dlpipe.resumed_from"] = f"{start_path} (epoch {start['epoch']})"
 
     def judge(metrics: dict[str, float]):
         return diagnose(metrics, num_workers=loader.num_workers, cpu_budget=budget.budget,
                         pin_memory=loader.pin_memory, device_type=device_type)
 
-    def report_epoch(row: dict[str, float]) -> None:
+    def after_epoch(row: dict[str, float]) -> None:
         log.info("epoch %d: %s", int(row["epoch"]), judge(row).line())
+        if ck["enabled"]:
+            state = trainer.state_dict(loader.generator)
+            state.update(mlflow_run_id=tracked.run_id, config=config_flat)
+            store.save(state, int(row["epoch"]), row)
 
-    with sigterm_ends_run(), open_run(ctx, resolved["tracking"], tags) as tracked:
+    resume_run = start.get("mlflow_run_id") if start else None
+    with sigterm_ends_run(), open_run(ctx, resolved["tracking"], tags, resume_run) as tracked:
         tracked.log_params(params)
         tracked.log_text(resolved_yaml, "config/resolved.yaml")
         sampler.start()
@@ -203,9 +225,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
             log.info("GPU metrics %s", sampler.gpu_status)
         allocations.start()
         profiler.start()
+        trainer.metrics, trainer.on_epoch = tracked, after_epoch
         try:
-            trainer = Trainer(model, optimizer, settings, metrics=tracked, sampler=sampler,
-                              on_epoch=report_epoch, profiler=profiler if profiler.enabled else None)
             history = trainer.fit(train_plan.loader, val_plan.loader if val_plan else None)
         except torch.cuda.OutOfMemoryError as e:
             raise DlpipeError(out_of_memory_advice(resolved, e)) from e

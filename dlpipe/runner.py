@@ -124,10 +124,52 @@ class Trainer:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
+    def state_dict(self, loader_generator: torch.Generator | None = None) -> dict:
+        """Everything needed to continue exactly after the last finished epoch, as plain containers
+        and tensors (loadable with torch.load(weights_only=True))."""
+        np_state = np.random.get_state()
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "epoch": len(self.history),
+            "history": [dict(r) for r in self.history],
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                # NumPy's state holds an ndarray, which weights_only loading refuses: store a tensor
+                "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+                "python": random.getstate(),
+            },
+            # the shuffling order and worker seeds of every later epoch come from this generator
+            "loader_generator": loader_generator.get_state() if loader_generator is not None else None,
+        }
+
+    def load_state_dict(self, state: dict, loader_generator: torch.Generator | None = None) -> None:
+        """Restore a state_dict(); fit() then continues with the epoch after state["epoch"]."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+        self.history = [dict(r) for r in state["history"]]
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        name, keys, *rest = rng["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+        version, internal, gauss = rng["python"]
+        random.setstate((version, tuple(internal), gauss))
+        if loader_generator is not None and state["loader_generator"] is not None:
+            loader_generator.set_state(state["loader_generator"])
+
     def fit(self, train_loader, val_loader=None) -> list[dict[str, float]]:
-        """Run every epoch (or until max_steps) and return one metrics dict per epoch."""
+        """Run every epoch after those already in `history` (or until max_steps); return all epochs' metrics."""
         s = self.settings
-        for epoch in range(1, s.epochs + 1):
+        for epoch in range(len(self.history) + 1, s.epochs + 1):
+            if self._done():  # a run resumed after it had already reached max_steps
+                break
             row = {"epoch": float(epoch)}
             row.update(self.train_epoch(train_loader, epoch))
             if val_loader is not None and s.limit_val_batches != 0:

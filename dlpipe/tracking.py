@@ -64,21 +64,52 @@ class MlflowRun:
     """One MLflow run, used as a context manager that always ends it with an honest status."""
 
     def __init__(self, uri: str, experiment: str, run_name: str | None, tags: dict[str, str],
-                 parent_run_id: str | None = None, timeout_s: float = 10.0, retries: int = 2):
+                 parent_run_id: str | None = None, timeout_s: float = 10.0, retries: int = 2,
+                 resume_run_id: str | None = None):
+        """A new run, or with `resume_run_id` the run a checkpoint was written by, reopened."""
         self.uri = uri
         self.client = client_for(uri, timeout_s, retries)
         self.experiment_id = experiment_id(self.client, experiment)
+        self.status: str | None = None
+        self._pending: list = []
+        self.resumed = False
         tags = dict(tags)
         if parent_run_id:
             tags[PARENT_TAG] = parent_run_id
+        if resume_run_id and self._reopen(resume_run_id):
+            self.run_id = resume_run_id
+            self.resumed = True
+            self.set_tags(tags)
+            return
         self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
-        self.status: str | None = None
-        self._pending: list = []
+
+    def _reopen(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            log.warning("the checkpoint's MLflow run %s is not in this store: starting a new run", run_id)
+            return False
+        if run.info.experiment_id != self.experiment_id:
+            log.warning("the checkpoint's MLflow run %s belongs to another experiment: starting a new run", run_id)
+            return False
+        self.client.update_run(run_id, status="RUNNING")
+        return True
 
     def log_params(self, params: dict[str, object]) -> None:
+        """Log params; on a reopened run, only new ones (MLflow params cannot change) and tag the
+        keys whose values differ from what the run recorded first."""
         from mlflow.entities import Param
 
-        items = [Param(k, _clip(v)) for k, v in sorted(params.items())]
+        values = {k: _clip(v) for k, v in params.items()}
+        if self.resumed:
+            logged = self.client.get_run(self.run_id).data.params
+            changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v)
+            if changed:
+                self.set_tags({"dlpipe.resumed_changed_params": ", ".join(changed)})
+            values = {k: v for k, v in values.items() if k not in logged}
+        items = [Param(k, v) for k, v in sorted(values.items())]
         for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
 

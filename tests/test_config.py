@@ -44,7 +44,7 @@ def group_options(group: str) -> list[str]:
 def test_every_conf_file_belongs_to_a_tested_option():
     """Each YAML in conf/ is either the primary config or a group option that the tests below compose."""
     for path in conf_dir().rglob("*.yaml"):
-        assert path.name == "config.yaml" or path.parent.name in {"dataset", "model", "loader", "optim", "trainer", "tracking", "telemetry"}, path
+        assert path.name == "config.yaml" or path.parent.name in {"dataset", "model", "loader", "optim", "trainer", "tracking", "telemetry", "checkpoint"}, path
 
 
 @pytest.mark.parametrize("dataset, model", PAIRS)

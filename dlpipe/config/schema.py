@@ -107,6 +107,25 @@ class TelemetryConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Atomic epoch checkpoints and resuming from them."""
+
+    enabled: bool = True
+    """Write a checkpoint at the end of every epoch."""
+    dir: Optional[str] = None
+    """Where checkpoints live; None means `checkpoints/` in the job's output directory."""
+    resume: str = "auto"
+    """auto: resume from the newest readable checkpoint in `dir` if there is one; must: fail if
+    there is none; never: always start from scratch (existing checkpoints are left alone)."""
+    keep_last: int = 2
+    """Epoch checkpoints to keep (the best one is kept in addition)."""
+    monitor: Optional[str] = "val_loss"
+    """Epoch metric that decides best.pt; None keeps no best checkpoint."""
+    mode: str = "min"
+    """min or max: whether a lower or a higher `monitor` is better."""
+
+
+@dataclass
 class DlpipeConfig:
     """The whole job."""
 
@@ -117,6 +136,7 @@ class DlpipeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def register_schemas() -> None:

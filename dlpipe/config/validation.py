@@ -4,7 +4,7 @@ import importlib
 import inspect
 import re
 
-from dlpipe.config.schema import LoaderConfig, TelemetryConfig, TrackingConfig, TrainerConfig
+from dlpipe.config.schema import CheckpointConfig, LoaderConfig, TelemetryConfig, TrackingConfig, TrainerConfig
 from dlpipe.errors import ConfigError
 
 _CONTEXTS = ("fork", "spawn", "forkserver")
@@ -81,6 +81,19 @@ def _check_telemetry(c: TelemetryConfig) -> list[str]:
     return p
 
 
+def _check_checkpoint(c: CheckpointConfig) -> list[str]:
+    p = []
+    if c.resume not in ("auto", "must", "never"):
+        p.append(f"checkpoint.resume={c.resume}: allowed: auto, must, never")
+    if c.keep_last < 1:
+        p.append(f"checkpoint.keep_last={c.keep_last}: must be >= 1")
+    if c.mode not in ("min", "max"):
+        p.append(f"checkpoint.mode={c.mode}: allowed: min, max")
+    if c.resume == "must" and not c.enabled:
+        p.append("checkpoint.resume=must with checkpoint.enabled=false: resuming needs checkpoints")
+    return p
+
+
 def locate(target: str):
     """Import 'pkg.module.Name' and return the object, or raise ImportError/AttributeError."""
     module_name, _, attr = target.rpartition(".")
@@ -123,6 +136,7 @@ def validate(resolved: dict) -> None:
     problems += _check_trainer(TrainerConfig(**resolved["trainer"]))
     problems += _check_tracking(TrackingConfig(**resolved["tracking"]))
     problems += _check_telemetry(TelemetryConfig(**resolved["telemetry"]))
+    problems += _check_checkpoint(CheckpointConfig(**resolved["checkpoint"]))
     problems += _check_target("dataset", resolved["dataset"])
     problems += _check_target("model", resolved["model"])
     # optimizers take the parameters first (a partial): skip it in the 'allowed' listing

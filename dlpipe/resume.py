@@ -1,0 +1,59 @@
+"""Deciding where a job starts: fresh, or from the newest readable checkpoint, and whether it fits.
+
+All of this runs before a tracking run is opened, so a missing or unusable checkpoint is a
+one-line error with nothing half-made.
+"""
+
+import logging
+from pathlib import Path
+
+from dlpipe.checkpoint import CheckpointStore
+from dlpipe.errors import ConfigError
+
+log = logging.getLogger("dlpipe")
+
+
+def find_start(store: CheckpointStore, policy: str) -> tuple[dict | None, Path | None]:
+    """(state, path) to resume from, or (None, None) to start fresh, following checkpoint.resume."""
+    for stale in store.clean_stale():
+        log.warning("removed %s: a checkpoint save that was interrupted (the previous checkpoint is intact)", stale)
+    if policy == "never":
+        return None, None
+    found = store.load_latest(warn=log.warning)
+    if found is None:
+        if policy == "must":
+            raise ConfigError([f"checkpoint.resume=must: no checkpoint in {store.directory}"])
+        log.info("no checkpoint in %s: starting from scratch", store.directory)
+        return None, None
+    state, path = found
+    log.info("resuming from %s (epoch %d, step %d)", path, state["epoch"], state["step"])
+    return state, path
+
+
+def check_model_fits(model, saved: dict, path: Path) -> None:
+    """A checkpoint whose parameters do not match the model: name the parameter, not a tensor dump."""
+    current = model.state_dict()
+    problems = []
+    for name, tensor in saved.items():
+        if name not in current:
+            problems.append(f"checkpoint {path}: parameter '{name}' is not in the model (model config changed?)")
+        elif tuple(current[name].shape) != tuple(tensor.shape):
+            problems.append(
+                f"checkpoint {path}: parameter '{name}' has shape {list(tensor.shape)} there but "
+                f"{list(current[name].shape)} in the model (model config changed?)"
+            )
+    problems += [f"checkpoint {path}: the model's parameter '{n}' is missing from it" for n in current if n not in saved]
+    if problems:
+        raise ConfigError(problems)
+
+
+# Keys that legitimately differ between a run and its resumption.
+_EXPECTED_TO_CHANGE = ("checkpoint.", "trainer.epochs", "trainer.max_steps")
+
+
+def config_changes(saved: dict[str, str], current: dict[str, str]) -> list[str]:
+    """Flattened config keys whose values differ from the checkpoint's, apart from expected ones."""
+    keys = set(saved) | set(current)
+    return sorted(
+        k for k in keys if saved.get(k) != current.get(k) and not k.startswith(_EXPECTED_TO_CHANGE)
+    )
