@@ -70,7 +70,7 @@ class SweepTracking(Callback):
         self.interrupted = signal.Signals(signum).name
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        raise Terminated(f"signal {signum}")
+        raise Terminated(self.interrupted)
 
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
         # Runs in the job's process (this one for the basic launcher, a submitit worker otherwise),

@@ -42,6 +42,8 @@ def _job(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from dlpipe.tracking import Terminated
+
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     try:
@@ -54,6 +56,12 @@ def _job(cfg: DictConfig):
             multirun=multirun,
         )
         return job.run(ctx, *resolve(cfg))
+    except KeyboardInterrupt:
+        print("dlpipe: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
+    except Terminated as e:
+        print(f"dlpipe: terminated ({e})", file=sys.stderr)
+        sys.exit(143)  # 128 + SIGTERM, what schedulers expect of a job that was told to stop
     except DlpipeError as e:
         lines = user_message(e)
         for line in lines:

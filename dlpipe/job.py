@@ -64,25 +64,40 @@ def check_single_process(environ) -> None:
         raise DlpipeError(f"WORLD_SIZE={world}: dlpipe trains in one process for now; launch it without torchrun")
 
 
-@contextmanager
-def sigterm_ends_run():
-    """SIGTERM (Slurm preemption, `kill`, docker stop) raises Terminated so the run ends KILLED.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
-    Enter it *before* the tracking run so the handler is still in place while the run is ended.
-    Only the first SIGTERM interrupts: a second one (schedulers often repeat it) must not break
-    into the code that is recording the KILLED status.
+
+@contextmanager
+def stop_gracefully(trainer):
+    """SIGTERM (Slurm preemption, `kill`, docker stop), SIGINT (Ctrl-C) and SIGUSR1/2 (Slurm's
+    advance warning) ask the trainer to stop at its next optimizer step, where the job writes a
+    checkpoint and ends the run KILLED.
+
+    A second signal while training stops at once (the loader may be stuck); once the stop is being
+    recorded, further signals are ignored so they cannot cut a checkpoint or the run's status short.
+    Enter it before the tracking run so it also covers ending the run.
     """
     from dlpipe.tracking import Terminated
 
     def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated(f"signal {signum}")
+        name = signal.Signals(signum).name
+        if trainer.stopping:
+            log.warning("%s ignored: the stop is being recorded", name)
+            return
+        if trainer.stop_requested is None:
+            trainer.stop_requested = name
+            log.warning("%s received: stopping at the next optimizer step (send it again to stop at once)", name)
+            return
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(name)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def open_run(ctx: JobContext, tracking: dict, tags: dict[str, str], resume_run_id: str | None = None):
@@ -131,6 +146,21 @@ def out_of_memory_advice(resolved: dict, error: BaseException) -> str:
     )
 
 
+def record_stop(trainer, reason: str, store, loader, tracked, config_flat: dict) -> None:
+    """Checkpoint an interrupted epoch at its last optimizer step so the same command resumes it."""
+    epoch = len(trainer.history) + 1
+    if store is None:
+        log.warning("stopped by %s in epoch %d: checkpoint.enabled=false, nothing saved", reason, epoch)
+        return
+    state = trainer.state_dict(loader.generator)
+    state.update(mlflow_run_id=tracked.run_id, config=config_flat)
+    # Named after the epoch it is in: it is the newest, and the finished epoch before it stays as
+    # the fallback. The next full save of this epoch replaces it.
+    path = store.save(state, epoch, {})
+    log.warning("stopped by %s in epoch %d after batch %d: saved %s; run the same command to resume",
+                reason, epoch, trainer.interrupted_at, path)
+
+
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     """Train one job; returns the last validation loss (for sweepers that minimise it)."""
     check_single_process(os.environ)
@@ -146,8 +176,10 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     from dlpipe.resume import check_model_fits, config_changes, find_start
     from dlpipe.console import summary_table
     from dlpipe.profiling import AllocationSnapshot, StepProfiler
-    from dlpipe.runner import Trainer, TrainSettings, seed_everything
+    from dlpipe.rng import seed_everything
+    from dlpipe.runner import StopTraining, Trainer, TrainSettings
     from dlpipe.telemetry import ResourceSampler
+    from dlpipe.tracking import Terminated
     from dlpipe.verdict import diagnose, rss_slope, run_metrics, worker_leak
 
     trainer_cfg, telemetry = resolved["trainer"], resolved["telemetry"]
@@ -217,7 +249,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
             store.save(state, int(row["epoch"]), row)
 
     resume_run = start.get("mlflow_run_id") if start else None
-    with sigterm_ends_run(), open_run(ctx, resolved["tracking"], tags, resume_run) as tracked:
+    with stop_gracefully(trainer), open_run(ctx, resolved["tracking"], tags, resume_run) as tracked:
         tracked.log_params(params)
         tracked.log_text(resolved_yaml, "config/resolved.yaml")
         sampler.start()
@@ -228,6 +260,12 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
         trainer.metrics, trainer.on_epoch = tracked, after_epoch
         try:
             history = trainer.fit(train_plan.loader, val_plan.loader if val_plan else None)
+        except StopTraining as stop:
+            trainer.stopping = True
+            record_stop(trainer, stop.reason, store if ck["enabled"] else None, loader, tracked, config_flat)
+            if stop.reason == "SIGINT":
+                raise KeyboardInterrupt from None
+            raise Terminated(stop.reason) from None
         except torch.cuda.OutOfMemoryError as e:
             raise DlpipeError(out_of_memory_advice(resolved, e)) from e
         finally:

@@ -4,23 +4,30 @@ It takes built objects and plain settings (no config framework), so tests drive 
 """
 
 import logging
-import random
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dlpipe import rng
 from dlpipe.console import Progress
 from dlpipe.telemetry import EpochClock, ResourceSampler
 
 log = logging.getLogger(__name__)
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class StopTraining(Exception):
+    """Training stopped at an optimizer step because stop_requested was set (by a signal)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class MetricSink(Protocol):
@@ -55,16 +62,6 @@ class TrainSettings:
     log_every: int = 50
     progress: bool = True
     cuda_sync_every: int = 25
-
-
-def seed_everything(seed: int, deterministic: bool = False) -> None:
-    """Seed Python, NumPy and torch (all devices); optionally force deterministic kernels."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    # Set both ways: jobs of a basic-launcher sweep share this process, and one job's
-    # deterministic=true must not leak into the next.
-    torch.use_deterministic_algorithms(deterministic)
 
 
 def loss_and_correct(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +112,11 @@ class Trainer:
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=settings.amp == "fp16")
         self.step = 0  # optimizer steps taken
+        self.stop_requested: str | None = None  # set (by a signal handler) to stop at the next optimizer step
+        self.stopping = False  # set while a stop is being recorded (checkpoint, tracking)
+        self.interrupted_at: int | None = None  # batches done in the epoch a stop interrupted
+        self._epoch_start_generator = None
+        self._resume: tuple[int, dict] | None = None
         self._log_loss = torch.zeros((), device=self.device)  # loss since the last train_loss_step
         self._log_samples = 0
         self.history: list[dict[str, float]] = []
@@ -125,25 +127,25 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def state_dict(self, loader_generator: torch.Generator | None = None) -> dict:
-        """Everything needed to continue exactly after the last finished epoch, as plain containers
-        and tensors (loadable with torch.load(weights_only=True))."""
-        np_state = np.random.get_state()
+        """Everything needed to continue exactly where training stopped, as plain containers and
+        tensors (loadable with torch.load(weights_only=True)): after the last finished epoch, or,
+        after a stop request, after the last optimizer step of the interrupted epoch."""
+        mid_epoch = self.interrupted_at is not None
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.step,
-            "epoch": len(self.history),
+            "epoch": len(self.history),  # finished epochs
+            "batches_done": self.interrupted_at or 0,  # of the next epoch; always at an optimizer step
             "history": [dict(r) for r in self.history],
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                # NumPy's state holds an ndarray, which weights_only loading refuses: store a tensor
-                "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-                "python": random.getstate(),
-            },
-            # the shuffling order and worker seeds of every later epoch come from this generator
-            "loader_generator": loader_generator.get_state() if loader_generator is not None else None,
+            "rng": rng.capture(),
+            # The shuffling order and worker seeds of an epoch come from this generator: after a
+            # stop, its state from the start of the interrupted epoch, so resuming replays it.
+            "loader_generator": (
+                self._epoch_start_generator if mid_epoch
+                else loader_generator.get_state() if loader_generator is not None else None
+            ),
         }
 
     def load_state_dict(self, state: dict, loader_generator: torch.Generator | None = None) -> None:
@@ -153,16 +155,13 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         self.history = [dict(r) for r in state["history"]]
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        name, keys, *rest = rng["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-        version, internal, gauss = rng["python"]
-        random.setstate((version, tuple(internal), gauss))
+        rng.restore(state["rng"])
         if loader_generator is not None and state["loader_generator"] is not None:
             loader_generator.set_state(state["loader_generator"])
+        if state.get("batches_done", 0):
+            # train_epoch replays the interrupted epoch's first batches without training on them,
+            # then puts these RNG states back (fetching those batches may have drawn from them).
+            self._resume = (int(state["batches_done"]), state["rng"])
 
     def fit(self, train_loader, val_loader=None) -> list[dict[str, float]]:
         """Run every epoch after those already in `history` (or until max_steps); return all epochs' metrics."""
@@ -172,6 +171,8 @@ class Trainer:
                 break
             row = {"epoch": float(epoch)}
             row.update(self.train_epoch(train_loader, epoch))
+            if self.interrupted_at is not None:
+                raise StopTraining(self.stop_requested or "stop")
             if val_loader is not None and s.limit_val_batches != 0:
                 row.update(self.validate(val_loader))
             if self.sampler is not None:
@@ -210,9 +211,17 @@ class Trainer:
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
-        clock = EpochClock(h2d_s=0.0 if time_copies else None)
+        generator = getattr(loader, "generator", None)
+        self._epoch_start_generator = generator.get_state() if generator is not None else None
+        pending, self._resume = self._resume, None
+        done, resume_rng = pending if pending else (0, None)
         iterator = iter(loader)
-        while total is None or clock.batches < total:
+        for _ in range(done):  # resuming mid-epoch: same order and worker seeds, so skip what was trained
+            next(iterator)
+        if resume_rng is not None:
+            rng.restore(resume_rng)
+        clock = EpochClock(h2d_s=0.0 if time_copies else None)  # the skipped batches are not this epoch's time
+        while total is None or done < total:
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -248,8 +257,12 @@ class Trainer:
             if self.profiler is not None:
                 self.profiler.step()
             clock.stepped(n)
-            progress.update(clock.batches, *clock.rates())
+            done += 1
+            progress.update(done, *clock.rates())
             if self._done():
+                break
+            if window_micro == 0 and self.stop_requested:
+                self.interrupted_at = done  # at an optimizer step: no half-accumulated gradients
                 break
         if window_micro:  # the last, partial window of the epoch still updates the model
             self._optimizer_step(window_samples, nominal)
@@ -264,7 +277,7 @@ class Trainer:
             stats["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
             stats["cuda_reserved_mb"] = torch.cuda.memory_reserved(self.device) / 2**20
         stats["train_loss"] = (loss_sum / max(seen, 1)).item()  # one sync per epoch
-        progress.close(clock.batches, stats["samples_per_s"], stats["data_wait_frac"])
+        progress.close(done, stats["samples_per_s"], stats["data_wait_frac"])
         return stats
 
     def _optimizer_step(self, window_samples: int, nominal: int) -> None:

@@ -159,7 +159,7 @@ class MlflowRun:
         elif issubclass(exc_type, KeyboardInterrupt):
             self.end("KILLED", "interrupted (Ctrl-C)")
         elif issubclass(exc_type, Terminated):
-            self.end("KILLED", "terminated (SIGTERM)")
+            self.end("KILLED", f"terminated ({exc})")
         else:
             self.end("FAILED", f"{exc_type.__name__}: {' '.join(user_message(exc))}")
         return False  # never swallow the exception

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import NO_PHONE_HOME, TESTS_DIR, runs_of
 
@@ -241,18 +242,21 @@ def test_exception_mid_training_ends_run_failed(dlpipe, mlflow_store, mlflow_cli
     assert "sample 40 is corrupt" in run.data.tags["dlpipe.end_reason"]
 
 
-@pytest.mark.parametrize("sig, status_reason", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
-def test_signal_ends_run_killed(tmp_path, mlflow_store, mlflow_client, sig, status_reason):
-    """Ctrl-C and SIGTERM during training end the MLflow run KILLED, and the process exits non-zero."""
-    exp = f"signal-{sig.name}"
+def start_slow_run(tmp_path, mlflow_store, exp: str, *extra: str) -> subprocess.Popen:
+    """A training run over a slow dataset (about 0.2 s a batch), in tmp_path/run."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env["PYTHONPATH"] = str(TESTS_DIR)
     env.update(NO_PHONE_HOME)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dlpipe", *FAULTY, "dataset=slow", "loader.num_workers=0",
-         f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}"],
+    return subprocess.Popen(
+        [sys.executable, "-m", "dlpipe", *FAULTY, "dataset=slow", "dataset.size=600", "dataset.delay_s=0.003",
+         "loader.num_workers=0", "trainer.epochs=2", "trainer.val_fraction=0", f"hydra.run.dir={tmp_path / 'run'}",
+         f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}", *extra],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+
+
+def signal_when_training(proc, mlflow_client, exp: str, sig) -> tuple[int, str, str]:
+    """Wait until the run is RUNNING and a batch or two in, send `sig`: (exit code, stdout, stderr)."""
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -260,18 +264,48 @@ def test_signal_ends_run_killed(tmp_path, mlflow_store, mlflow_client, sig, stat
             if runs and runs[0].info.status == "RUNNING":
                 break
             assert proc.poll() is None, proc.communicate()
-            time.sleep(0.5)
-        time.sleep(1.0)  # let it get into the training loop
+            time.sleep(0.3)
+        time.sleep(1.0)  # into the training loop
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
+        return proc.returncode, out, err
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode != 0
+
+
+@pytest.mark.parametrize("sig, code, reason", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM"),
+                                               (signal.SIGUSR1, 143, "SIGUSR1")])
+def test_signal_checkpoints_and_ends_run_killed(tmp_path, mlflow_store, mlflow_client, sig, code, reason):
+    """A stop signal: checkpoint at the next optimizer step, run KILLED with the reason, exit 130/143."""
+    exp = f"signal-{sig.name}"
+    code_seen, out, err = signal_when_training(start_slow_run(tmp_path, mlflow_store, exp), mlflow_client, exp, sig)
+    assert code_seen == code, err
     [run] = runs_of(mlflow_client, exp)
     assert run.info.status == "KILLED", err
-    assert status_reason in run.data.tags["dlpipe.end_reason"]
+    assert reason in run.data.tags["dlpipe.end_reason"]
+    [ckpt] = sorted((tmp_path / "run" / "checkpoints").glob("epoch-*.pt"))
+    state = torch.load(ckpt, weights_only=True)
+    assert state["epoch"] == 0 and state["batches_done"] >= 1 and state["step"] == state["batches_done"]
+    assert "run the same command to resume" in out + err  # the log names the checkpoint
+    assert "Traceback" not in err
+
+
+def test_stopped_run_resumes_in_the_same_mlflow_run(tmp_path, mlflow_store, mlflow_client):
+    """SIGTERM mid-epoch, then the same command: it continues from the saved batch and finishes the run."""
+    exp = "stop-resume"
+    signal_when_training(start_slow_run(tmp_path, mlflow_store, exp), mlflow_client, exp, signal.SIGTERM)
+    [killed] = runs_of(mlflow_client, exp)
+    proc = start_slow_run(tmp_path, mlflow_store, exp)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "resuming from" in out + err
+    [run] = runs_of(mlflow_client, exp)
+    assert run.info.run_id == killed.info.run_id and run.info.status == "FINISHED"
+    state = torch.load(tmp_path / "run" / "checkpoints" / "epoch-0002.pt", weights_only=True)
+    assert state["epoch"] == 2 and state["batches_done"] == 0
+    assert state["step"] == 2 * 10  # 600 samples / batch 64 -> 10 batches an epoch, none lost or repeated
 
 
 @pytest.mark.parametrize("recipe", ["vision", "nlp", "tabular", "smoke"])

@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler, TensorDataset
 
 from dlpipe.models.mlp import MLP
-from dlpipe.runner import Trainer, TrainSettings, loss_and_correct, seed_everything
+from dlpipe.rng import seed_everything
+from dlpipe.runner import Trainer, TrainSettings, loss_and_correct
 
 IN, CLASSES = 6, 3
 
@@ -354,3 +355,70 @@ def test_keyboard_interrupt_in_the_data_propagates_out_of_fit():
         trainer.fit(DataLoader(InterruptAt(16, at=9), batch_size=4))
     assert model.train_batches == [4, 4]  # batches before the interrupt were trained on
     assert trainer.history == []
+
+
+# --- stop and resume ------------------------------------------------------------------------------
+
+
+class NoisyItems(torch.utils.data.Dataset):
+    """Items drawn from the main process's torch RNG (num_workers=0): resuming must restore it."""
+
+    def __init__(self, n: int = 48):
+        self.x = torch.randn(n, 6, generator=torch.Generator().manual_seed(3))
+        self.y = torch.arange(n) % 3
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(6), self.y[i]
+
+
+class StopAfter(torch.nn.Module):
+    """Dropout (RNG in the step itself) plus a hook that asks the trainer to stop after N forwards."""
+
+    def __init__(self, stop_after: int | None = None):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3))
+        self.stop_after, self.calls, self.trainer = stop_after, 0, None
+
+    def forward(self, x):
+        self.calls += 1
+        if self.stop_after is not None and self.calls == self.stop_after and self.trainer is not None:
+            self.trainer.stop_requested = "SIGTERM"  # what the job's signal handler does
+        return self.net(x)
+
+
+def build_stoppable(stop_after=None):
+    from dlpipe.rng import seed_everything
+
+    seed_everything(11)
+    model = StopAfter(stop_after)
+    generator = torch.Generator().manual_seed(5)
+    loader = DataLoader(NoisyItems(), batch_size=4, shuffle=True, generator=generator)
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01),
+                      TrainSettings(epochs=3, accumulate=2, progress=False))
+    model.trainer = trainer
+    return trainer, loader
+
+
+def test_stop_mid_epoch_then_resume_matches_an_uninterrupted_run():
+    """Stop requested mid-epoch: it stops at an optimizer step, and state_dict + resume reproduce a straight run."""
+    from dlpipe.runner import StopTraining
+
+    straight, loader = build_stoppable()
+    straight.fit(loader)
+
+    first, loader1 = build_stoppable(stop_after=17)  # epoch 2, micro-batch 5 (12 per epoch)
+    with pytest.raises(StopTraining):
+        first.fit(loader1)
+    state = first.state_dict(loader1.generator)
+    assert state["epoch"] == 1 and state["batches_done"] == 6  # rounded up to the next optimizer step
+    assert state["step"] == 6 + 3
+
+    second, loader2 = build_stoppable()
+    second.load_state_dict(state, loader2.generator)
+    second.fit(loader2)
+    assert second.step == straight.step
+    for a, b in zip(straight.model.parameters(), second.model.parameters()):
+        assert torch.equal(a, b)

@@ -79,7 +79,7 @@ def _run(store: str, experiment: str) -> MlflowRun:
 @pytest.mark.parametrize(
     "exc, status, reason",
     [(None, "FINISHED", None), (RuntimeError("boom"), "FAILED", "RuntimeError: boom"),
-     (KeyboardInterrupt(), "KILLED", "Ctrl-C"), (Terminated("signal 15"), "KILLED", "SIGTERM")],
+     (KeyboardInterrupt(), "KILLED", "Ctrl-C"), (Terminated("SIGTERM"), "KILLED", "terminated (SIGTERM)")],
 )
 def test_run_always_ends_with_an_honest_status(mlflow_store, mlflow_client, exc, status, reason):
     """The context manager ends the run FINISHED, FAILED or KILLED and never swallows the exception."""

@@ -5,6 +5,7 @@ prefetch_factor with 0 workers, persistent workers with none to keep); here they
 and every change is returned as a note for the run log.
 """
 
+import signal
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,13 @@ class LoaderPlan:
     """Bytes of one collated batch (measured on the first item)."""
     inflight_bytes: int
     """Bytes the workers hold ready: num_workers x prefetch_factor x batch_bytes."""
+
+
+def ignore_interrupts(worker_id: int) -> None:
+    """DataLoader worker_init_fn: Ctrl-C in a terminal reaches the whole process group, and a
+    worker that died of it would fail the batches the main process still fetches on its way to a
+    clean stop. The main process decides when to stop; its workers follow when it shuts them down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def sample_bytes(dataset: Dataset) -> int:
@@ -93,6 +101,7 @@ def build_loader(
         persistent_workers=persistent_workers,
         timeout=timeout,
         multiprocessing_context=multiprocessing_context,
+        worker_init_fn=ignore_interrupts if num_workers > 0 else None,
         generator=generator,
     )
     batch = sample_bytes(dataset) * batch_size
