@@ -51,6 +51,7 @@ def build_data_and_model(resolved: dict):
     """Dataset splits, model and optimizer; raises ConfigError/DataError naming the bad key."""
     from torch.utils.data import Subset
 
+    from dlpipe.data.faults import NamedErrors
     from dlpipe.data.split import train_val_split
 
     trainer = resolved["trainer"]
@@ -59,6 +60,8 @@ def build_data_and_model(resolved: dict):
     train_set, val_set = train_val_split(dataset, trainer["val_fraction"], trainer["seed"])
     if val_set is not None:
         val_set = Subset(validation_view(dataset), val_set.indices)
+        val_set = NamedErrors(val_set)
+    train_set = NamedErrors(train_set)
     model_cfg = dict(resolved["model"])
     if model_cfg.get("num_classes", 0) is None:
         if not hasattr(dataset, "num_classes"):

@@ -18,7 +18,7 @@ import yaml
 from dlpipe import hardware
 from dlpipe.config.decisions import explain
 from dlpipe.config.validation import validate
-from dlpipe.errors import DlpipeError
+from dlpipe.errors import DataError, DlpipeError
 from dlpipe.redact import redact_text, redact_tree
 
 log = logging.getLogger("dlpipe")
@@ -173,6 +173,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
 
     from dlpipe.build import build_data_and_model, build_loaders
     from dlpipe.checkpoint import CheckpointStore
+    from dlpipe.data.faults import explain_loader_failure
     from dlpipe.resume import check_model_fits, config_changes, find_start
     from dlpipe.console import summary_table
     from dlpipe.profiling import AllocationSnapshot, StepProfiler
@@ -268,6 +269,11 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
             raise Terminated(stop.reason) from None
         except torch.cuda.OutOfMemoryError as e:
             raise DlpipeError(out_of_memory_advice(resolved, e)) from e
+        except RuntimeError as e:
+            why = explain_loader_failure(e, resolved["loader"])
+            if why is None:
+                raise
+            raise DataError(why) from e
         finally:
             sampler.stop()
             written = profiler.finish() + allocations.finish()  # files stay in the output dir on failure

@@ -67,3 +67,40 @@ class OutOfMemoryModel(torch.nn.Module):
         if self.calls == self.fail_at:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return self.linear(x)
+
+
+class DyingWorkerDataset(Dataset):
+    """The worker that serves item `die_at` is killed (as the OOM killer would do)."""
+
+    num_classes = 2
+
+    def __init__(self, size: int = 64, die_at: int = 20):
+        self.size, self.die_at = size, die_at
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        if i == self.die_at:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.randn(4), i % 2
+
+
+class HangingDataset(Dataset):
+    """Item `hang_at` never arrives in time (a stuck read)."""
+
+    num_classes = 2
+
+    def __init__(self, size: int = 64, hang_at: int = 20, hang_s: float = 60.0):
+        self.size, self.hang_at, self.hang_s = size, hang_at, hang_s
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        if i == self.hang_at:
+            time.sleep(self.hang_s)
+        return torch.randn(4), i % 2

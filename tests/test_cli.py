@@ -240,6 +240,27 @@ def test_exception_mid_training_ends_run_failed(dlpipe, mlflow_store, mlflow_cli
     [run] = runs_of(mlflow_client, "explode")
     assert run.info.status == "FAILED"
     assert "sample 40 is corrupt" in run.data.tags["dlpipe.end_reason"]
+    [line] = [x for x in r.stderr.splitlines() if x.startswith("dlpipe: error: ")]
+    assert line.startswith("dlpipe: error: dataset item 40: RuntimeError: sample 40 is corrupt")
+
+
+@pytest.mark.parametrize(
+    "dataset, extra, expected",
+    [
+        ("dying", ["loader.num_workers=2"], "usually the out-of-memory killer or a full /dev/shm"),
+        ("hanging", ["loader.num_workers=1", "loader.timeout=2"], "loader.timeout=2.0: no batch arrived from the workers in 2.0 s"),
+    ],
+)
+def test_worker_faults_fail_the_run_with_the_likely_cause(dlpipe, mlflow_store, mlflow_client, dataset, extra, expected):
+    """A killed worker or a hung one ends the run FAILED with one line saying what to try."""
+    exp = f"worker-{dataset}"
+    r = dlpipe(*FAULTY, f"dataset={dataset}", "trainer.val_fraction=0", *extra,
+               f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}", timeout=120)
+    assert r.returncode == 2, r.stderr
+    [line] = [x for x in r.stderr.splitlines() if x.startswith("dlpipe: error: ")]
+    assert expected in line
+    [run] = runs_of(mlflow_client, exp)
+    assert run.info.status == "FAILED" and expected in run.data.tags["dlpipe.end_reason"]
 
 
 def start_slow_run(tmp_path, mlflow_store, exp: str, *extra: str) -> subprocess.Popen:

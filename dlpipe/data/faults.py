@@ -1,0 +1,82 @@
+"""Data faults a user can act on: which sample failed, why a worker died, why no batch came.
+
+PyTorch reports these as generic RuntimeErrors (or the item's own exception, re-raised from a
+worker without saying which sample); here they become one line with the likely cause.
+"""
+
+from torch.utils.data import Dataset
+
+from dlpipe.errors import DataError
+
+
+class SampleError(DataError):
+    """An item of the dataset could not be produced; names the index (and file, when known)."""
+
+
+class NamedErrors(Dataset):
+    """Wraps a dataset so an exception in __getitem__ names the sample index and, for datasets
+    with a `samples` list of (path, label) like the image folder, the file."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getattr__(self, name):
+        # Attributes like num_classes behave as on the wrapped dataset. Dunders are not passed on
+        # (DataLoader looks for __getitems__, defined below), and `dataset` is guarded so unpickling
+        # in a spawned worker, before it exists, does not recurse.
+        if name == "dataset" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitems__(self, indices):
+        """Batched fetch (Subset, in-memory datasets), keeping the fast path when nothing fails."""
+        fetch = getattr(self.dataset, "__getitems__", None)
+        if fetch is None:
+            return [self[i] for i in indices]
+        try:
+            return fetch(indices)
+        except DataError:
+            raise
+        except Exception as e:
+            for i in indices:  # only on this error path: find the sample, which raises naming it
+                self[i]
+            raise SampleError(f"dataset items {list(indices)[:3]}...: {type(e).__name__}: {e}") from e
+
+    def __getitem__(self, index):
+        try:
+            return self.dataset[index]
+        except DataError:
+            raise  # already names what failed
+        except Exception as e:
+            raise SampleError(f"dataset item {self._describe(index)}: {type(e).__name__}: {e}") from e
+
+    def _describe(self, index) -> str:
+        """The index in the user's dataset (through train/val Subsets) and its file where known."""
+        ds, i = self.dataset, index
+        while hasattr(ds, "indices") and hasattr(ds, "dataset"):
+            ds, i = ds.dataset, ds.indices[i]
+        samples = getattr(ds, "samples", None)
+        if isinstance(samples, (list, tuple)) and 0 <= i < len(samples) and isinstance(samples[i], (list, tuple)):
+            return f"{i} ({samples[i][0]})"
+        return str(i)
+
+
+def explain_loader_failure(error: BaseException, loader: dict) -> str | None:
+    """One line for a DataLoader RuntimeError about its workers, or None if it is something else."""
+    text = str(error)
+    if "exited unexpectedly" in text or "killed by signal" in text:
+        first = text.splitlines()[0]
+        return (
+            f"{first}: usually the out-of-memory killer or a full /dev/shm (Docker's default is 64 MB: "
+            f"raise --shm-size); try fewer loader.num_workers (now {loader['num_workers']}), a smaller "
+            f"loader.prefetch_factor (now {loader['prefetch_factor']}) or loader.batch_size (now {loader['batch_size']})"
+        )
+    if "timed out after" in text:
+        return (
+            f"loader.timeout={loader['timeout']}: no batch arrived from the workers in {loader['timeout']} s "
+            "(a worker is stuck: slow storage, a deadlock in the dataset, or a too-small timeout)"
+        )
+    return None
