@@ -5,6 +5,7 @@ imported until a job actually runs, so `dlpipe --help` and `dlpipe --cfg job` st
 """
 
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -35,6 +36,31 @@ def resolve(cfg: DictConfig) -> tuple[dict, dict]:
         reason = str(e).splitlines()[0]
         raise ConfigError([f"{key}: {reason}"]) from None
     return raw, resolved
+
+
+HYDRA_FILES = {"config.yaml", "hydra.yaml", "overrides.yaml"}
+
+
+def remove_if_half_made(output_dir: Path) -> None:
+    """Remove a run directory that holds nothing but what Hydra wrote before our checks failed.
+
+    A directory with anything else in it (a resolved config, checkpoints: an earlier run being
+    resumed) is left alone. Empty parents inside the working directory (outputs/DATE) go too.
+    """
+    if not output_dir.is_dir():
+        return
+    for entry in output_dir.iterdir():
+        if entry.name == ".hydra" and entry.is_dir() and {f.name for f in entry.iterdir()} <= HYDRA_FILES:
+            continue
+        if entry.is_file() and entry.suffix == ".log":
+            continue
+        return
+    shutil.rmtree(output_dir)
+    cwd = Path.cwd().resolve()
+    parent = output_dir.resolve().parent
+    while parent != cwd and cwd in parent.parents and not any(parent.iterdir()):
+        parent.rmdir()
+        parent = parent.parent
 
 
 def _job(cfg: DictConfig):
@@ -70,6 +96,7 @@ def _job(cfg: DictConfig):
             # Hydra records the job as failed, runs the others and exits 1; a compact exception
             # is reported as its message, without a traceback.
             raise JobFailed("; ".join(lines)) from None
+        remove_if_half_made(Path(hc.runtime.output_dir))
         sys.exit(2)
 
 

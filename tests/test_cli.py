@@ -112,7 +112,7 @@ def test_sweep_with_a_bad_job_runs_the_others_and_fails(dlpipe, mlflow_store, ml
         ("loader.batch_size=1000", "loader.batch_size=1000 with loader.drop_last=true: the training split has"),
     ],
 )
-def test_bad_values_fail_before_tracking(dlpipe, mlflow_store, mlflow_client, override, expected):
+def test_bad_values_fail_before_tracking(dlpipe, tmp_path, mlflow_store, mlflow_client, override, expected):
     """Out-of-range or unusable values exit 2 with one line naming key and value, and leave no MLflow run."""
     exp = "bad-" + re.sub(r"[^A-Za-z0-9_.-]", "_", override)
     extra = ["loader.drop_last=true"] if override.startswith("loader.batch_size=1000") else []
@@ -122,6 +122,7 @@ def test_bad_values_fail_before_tracking(dlpipe, mlflow_store, mlflow_client, ov
     assert len(errors) == 1 and expected in errors[0], r.stderr
     assert "Traceback" not in r.stderr
     assert runs_of(mlflow_client, exp) == []
+    assert not (tmp_path / "outputs").exists()  # no half-made run directory either
 
 
 def test_all_problems_reported_together(dlpipe):

@@ -74,6 +74,7 @@ def test_shape_mismatch_and_changed_config(dlpipe, tmp_path):
     assert dlpipe(*SMOKE, "trainer.epochs=1", f"hydra.run.dir={run_dir}", "tracking=none").returncode == 0
     r = dlpipe(*SMOKE, "trainer.epochs=2", "model.width=16", f"hydra.run.dir={run_dir}", "tracking=none")
     assert r.returncode == 2 and "has shape" in r.stderr and "Traceback" not in r.stderr
+    assert (run_dir / "checkpoints").is_dir()  # a failed resume never removes the run it tried to resume
     r = dlpipe(*SMOKE, "trainer.epochs=2", "optim.lr=0.01", f"hydra.run.dir={run_dir}", "tracking=none")
     assert r.returncode == 0, r.stderr
     assert "resuming with a changed config: optim.lr" in r.stdout + r.stderr
