@@ -41,23 +41,28 @@ def resolve(cfg: DictConfig) -> tuple[dict, dict]:
 HYDRA_FILES = {"config.yaml", "hydra.yaml", "overrides.yaml"}
 
 
-def remove_if_half_made(output_dir: Path) -> None:
+def remove_if_half_made(output_dir: Path, job_name: str) -> None:
     """Remove a run directory that holds nothing but what Hydra wrote before our checks failed.
 
     A directory with anything else in it (a resolved config, checkpoints: an earlier run being
     resumed) is left alone. Empty parents inside the working directory (outputs/DATE) go too.
     """
-    if not output_dir.is_dir():
+    cwd = Path.cwd().resolve()
+    output_dir = output_dir.resolve()
+    # Never the working directory or a folder above it (hydra.run.dir=. or ..), and only when
+    # Hydra's own record of this job is there.
+    if not output_dir.is_dir() or output_dir == cwd or output_dir in cwd.parents:
+        return
+    if not (output_dir / ".hydra").is_dir():
         return
     for entry in output_dir.iterdir():
         if entry.name == ".hydra" and entry.is_dir() and {f.name for f in entry.iterdir()} <= HYDRA_FILES:
             continue
-        if entry.is_file() and entry.suffix == ".log":
+        if entry.is_file() and entry.name == f"{job_name}.log":  # Hydra's log of this job, not any .log
             continue
         return
     shutil.rmtree(output_dir)
-    cwd = Path.cwd().resolve()
-    parent = output_dir.resolve().parent
+    parent = output_dir.parent
     while parent != cwd and cwd in parent.parents and not any(parent.iterdir()):
         parent.rmdir()
         parent = parent.parent
@@ -96,7 +101,7 @@ def _job(cfg: DictConfig):
             # Hydra records the job as failed, runs the others and exits 1; a compact exception
             # is reported as its message, without a traceback.
             raise JobFailed("; ".join(lines)) from None
-        remove_if_half_made(Path(hc.runtime.output_dir))
+        remove_if_half_made(Path(hc.runtime.output_dir), hc.job.name)
         sys.exit(2)
 
 

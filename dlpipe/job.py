@@ -148,6 +148,8 @@ def out_of_memory_advice(resolved: dict, error: BaseException) -> str:
 
 def record_stop(trainer, reason: str, store, loader, tracked, config_flat: dict) -> None:
     """Checkpoint an interrupted epoch at its last optimizer step so the same command resumes it."""
+    from dlpipe.checkpoint import save_atomic
+
     epoch = len(trainer.history) + 1
     if store is None:
         log.warning("stopped by %s in epoch %d: checkpoint.enabled=false, nothing saved", reason, epoch)
@@ -156,7 +158,8 @@ def record_stop(trainer, reason: str, store, loader, tracked, config_flat: dict)
     state.update(mlflow_run_id=tracked.run_id, config=config_flat)
     # Named after the epoch it is in: it is the newest, and the finished epoch before it stays as
     # the fallback. The next full save of this epoch replaces it.
-    path = store.save(state, epoch, {})
+    path = store.epoch_path(epoch)
+    save_atomic(state, path)  # not store.save: pruning would count it and drop a finished epoch
     log.warning("stopped by %s in epoch %d after batch %d: saved %s; run the same command to resume",
                 reason, epoch, trainer.interrupted_at, path)
 

@@ -215,9 +215,13 @@ class Trainer:
         self._epoch_start_generator = generator.get_state() if generator is not None else None
         pending, self._resume = self._resume, None
         done, resume_rng = pending if pending else (0, None)
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)  # the order depends on (seed, epoch) only: resumable, like DistributedSampler
         iterator = iter(loader)
         for _ in range(done):  # resuming mid-epoch: same order and worker seeds, so skip what was trained
-            next(iterator)
+            if next(iterator, None) is None:
+                break  # the epoch is shorter than when the checkpoint was written (batch size changed)
         if resume_rng is not None:
             rng.restore(resume_rng)
         clock = EpochClock(h2d_s=0.0 if time_copies else None)  # the skipped batches are not this epoch's time
@@ -261,7 +265,8 @@ class Trainer:
             progress.update(done, *clock.rates())
             if self._done():
                 break
-            if window_micro == 0 and self.stop_requested:
+            # Not on the epoch's last batch: then the epoch finishes and the stop comes at the next one.
+            if window_micro == 0 and self.stop_requested and (total is None or done < total):
                 self.interrupted_at = done  # at an optimizer step: no half-accumulated gradients
                 break
         if window_micro:  # the last, partial window of the epoch still updates the model

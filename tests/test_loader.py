@@ -176,3 +176,28 @@ def test_shuffle_order_is_fixed_by_the_seed():
     assert first == again
     assert first != other
     assert shuffled_order(seed=3, num_workers=2) == first  # workers do not change the order
+
+
+class _Index(torch.utils.data.Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return i
+
+
+def test_epoch_order_depends_only_on_seed_and_epoch_even_with_persistent_workers():
+    """A resumed run (fresh loader, set_epoch(2)) sees epoch 2 in the order the original run saw it."""
+    original = build_loader(_Index(), batch_size=4, num_workers=1, pin_memory=False, prefetch_factor=2,
+                            persistent_workers=True, shuffle=True, drop_last=False, timeout=0,
+                            multiprocessing_context=None, seed=7, cuda=False).loader
+    orders = []
+    for epoch in (1, 2):
+        original.sampler.set_epoch(epoch)
+        orders.append([int(i) for batch in original for i in batch])
+    assert orders[0] != orders[1] and sorted(orders[1]) == list(range(24))
+    resumed = build_loader(_Index(), batch_size=4, num_workers=0, pin_memory=False, prefetch_factor=None,
+                           persistent_workers=False, shuffle=True, drop_last=False, timeout=0,
+                           multiprocessing_context=None, seed=7, cuda=False).loader
+    resumed.sampler.set_epoch(2)
+    assert [int(i) for batch in resumed for i in batch] == orders[1]

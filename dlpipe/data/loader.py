@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,29 @@ class LoaderPlan:
     """Bytes of one collated batch (measured on the first item)."""
     inflight_bytes: int
     """Bytes the workers hold ready: num_workers x prefetch_factor x batch_bytes."""
+
+
+class EpochShuffle(Sampler[int]):
+    """Shuffles with an order that depends only on (seed, epoch), like DistributedSampler.
+
+    The default RandomSampler draws from the DataLoader's generator, which persistent workers
+    consume differently from fresh ones, so a resumed run would see another order and skip or
+    repeat samples. The runner calls set_epoch() before each epoch.
+    """
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        g = torch.Generator()
+        g.manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=g).tolist())
 
 
 def ignore_interrupts(worker_id: int) -> None:
@@ -85,7 +108,7 @@ def build_loader(
         notes.append("loader.pin_memory=true turned off: pinned memory only speeds up copies to a CUDA device")
         pin_memory = False
 
-    # The generator fixes the shuffling order and the per-worker base seed; each worker then seeds
+    # The generator fixes the per-worker base seed (EpochShuffle fixes the order); each worker then seeds
     # torch, `random` and NumPy from base_seed + worker_id itself, so augmentations differ per
     # worker and repeat for the same seed without a worker_init_fn.
     generator = torch.Generator()
@@ -93,7 +116,7 @@ def build_loader(
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=shuffle,
+        sampler=EpochShuffle(len(dataset), seed) if shuffle else None,
         drop_last=drop_last,
         num_workers=num_workers,
         pin_memory=pin_memory,
