@@ -159,6 +159,7 @@ def record_stop(trainer, reason: str, store, loader, tracked, config_flat: dict)
     # Named after the epoch it is in: it is the newest, and the finished epoch before it stays as
     # the fallback. The next full save of this epoch replaces it.
     path = store.epoch_path(epoch)
+    path.parent.mkdir(parents=True, exist_ok=True)  # a stop in the first epoch comes before any save
     save_atomic(state, path)  # not store.save: pruning would count it and drop a finished epoch
     log.warning("stopped by %s in epoch %d after batch %d: saved %s; run the same command to resume",
                 reason, epoch, trainer.interrupted_at, path)
