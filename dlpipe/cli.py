@@ -5,6 +5,7 @@ imported until a job actually runs, so `dlpipe --help` and `dlpipe --cfg job` st
 """
 
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dlpipe.config.composition_errors import one_line
 from dlpipe.config.paths import conf_dir
 from dlpipe.config.recipes import register_recipes
 from dlpipe.config.resolvers import register_resolvers
@@ -82,7 +84,8 @@ def _job(cfg: DictConfig):
 
         ctx = job.JobContext(
             output_dir=Path(hc.runtime.output_dir),
-            overrides=list(hc.overrides.task),
+            # as typed: an override like x=${oc.env:V} must not be resolved just to be listed
+            overrides=OmegaConf.to_container(hc.overrides.task, resolve=False),
             recipe=hc.runtime.choices.get("recipe"),
             multirun=multirun,
         )
@@ -107,6 +110,10 @@ def _job(cfg: DictConfig):
 
 def main() -> None:
     """Console-script entry point (`dlpipe ...`, `python -m dlpipe ...`)."""
+    if sys.argv[1:2] == ["sync"]:
+        from dlpipe import sync
+
+        sys.exit(sync.main(sys.argv[2:]))
     import hydra
 
     # Registered before Hydra starts, so they are pickled with the task for launcher jobs.
@@ -117,7 +124,25 @@ def main() -> None:
     except ConfigError as e:
         print(f"dlpipe: error: {e}", file=sys.stderr)
         sys.exit(2)
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_job)()
+    app = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_job)
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        app()  # the user asked for Hydra's full tracebacks
+        return
+    # Hydra prints its own errors over several lines; made to raise them, we print one line each.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+    except JobFailed as e:  # a sweep job's error, already printed when the job ended
+        print(f"dlpipe: error: a sweep job failed ({e}); the other jobs ran", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:
+        line = one_line(e, sys.argv[1:])
+        if line is None:
+            raise
+        print(f"dlpipe: error: {line}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        del os.environ["HYDRA_FULL_ERROR"]
 
 
 if __name__ == "__main__":

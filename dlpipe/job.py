@@ -19,6 +19,7 @@ from dlpipe import hardware
 from dlpipe.config.decisions import explain
 from dlpipe.config.validation import validate
 from dlpipe.errors import DataError, DlpipeError
+from dlpipe.outbox import OUTBOX_FILE, connect_error
 from dlpipe.redact import redact_text, redact_tree
 
 log = logging.getLogger("dlpipe")
@@ -114,13 +115,24 @@ def open_run(ctx: JobContext, tracking: dict, tags: dict[str, str], resume_run_i
             tracking["uri"], tracking["experiment"], name, tags,
             parent_run_id=os.environ.get(PARENT_RUN_ENV) if ctx.multirun else None,
             timeout_s=tracking["request_timeout_s"], retries=tracking["request_retries"],
-            resume_run_id=resume_run_id,
+            resume_run_id=resume_run_id, outbox_path=ctx.output_dir / OUTBOX_FILE,
+            retry_every_s=tracking["retry_every_s"], offline_wait_s=tracking["offline_wait_s"],
         )
     except DlpipeError:
         raise
     except Exception as e:  # MLflow raises many types for a bad URI or an unreachable server
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DlpipeError(f"tracking.uri={redact_text(tracking['uri'])}: cannot start an MLflow run ({redact_text(first)}); use tracking=none to train without tracking") from e
+
+
+def check_tracking_reachable(tracking: dict) -> None:
+    """Fail in seconds, before anything is built, when the tracking server does not answer."""
+    if not tracking["enabled"]:
+        return
+    why = connect_error(tracking["uri"], tracking["request_timeout_s"])
+    if why:
+        raise DlpipeError(f"tracking.uri={redact_text(tracking['uri'])}: {why}; start the server, "
+                          "point tracking.uri at a running one, or use tracking=none")
 
 
 def gpu_for(device: str) -> int | str | None:
@@ -169,6 +181,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     """Train one job; returns the last validation loss (for sweepers that minimise it)."""
     check_single_process(os.environ)
     validate(resolved)
+    check_tracking_reachable(resolved["tracking"])
     decided = explain(raw, resolved)
     for key, why in decided.items():
         log.info("%s = %s", key, why)

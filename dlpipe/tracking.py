@@ -7,18 +7,25 @@ a synchronous write to SQLite costs 2.5-16 ms per call, and MLflow's own asynchr
 training loop for the GIL (0.14x the steps/s with a metric every step, 0.87x every 50 steps;
 benchmarks/telemetry_overhead.py). A list append per metric costs nothing measurable.
 Runs always end FINISHED, FAILED or KILLED.
+
+When the server goes away mid-run, training goes on: one warning, and every write from then on
+is kept in an Outbox (memory plus a file in the output directory) and delivered, in order, when a
+connect succeeds again (tried at most every `retry_every_s`, at metric flushes) or at the end,
+which waits up to `offline_wait_s` for the server before leaving the file to `dlpipe sync`.
 """
 
 import logging
 import os
 import time
+from pathlib import Path
 
 from dlpipe.errors import DlpipeError, user_message
+from dlpipe.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, unreachable
 
 log = logging.getLogger(__name__)
 
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limits
-MAX_METRICS_PER_BATCH = 1000
+PROBE_TIMEOUT_S = 2.0  # a connect attempt while the server is away: bounds the stall of a flush
 MAX_PENDING_METRICS = 20000  # flush mid-epoch beyond this, so a very long epoch holds bounded memory
 MAX_PARAM_CHARS = 6000  # MLflow 3's param value limit
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
@@ -65,23 +72,46 @@ class MlflowRun:
 
     def __init__(self, uri: str, experiment: str, run_name: str | None, tags: dict[str, str],
                  parent_run_id: str | None = None, timeout_s: float = 10.0, retries: int = 2,
-                 resume_run_id: str | None = None):
-        """A new run, or with `resume_run_id` the run a checkpoint was written by, reopened."""
+                 resume_run_id: str | None = None, outbox_path: Path | None = None,
+                 retry_every_s: float = 30.0, offline_wait_s: float = 30.0):
+        """A new run, or with `resume_run_id` the run a checkpoint was written by, reopened.
+
+        `outbox_path` is where writes the server could not take are kept while it is away.
+        """
         self.uri = uri
         self.client = client_for(uri, timeout_s, retries)
         self.experiment_id = experiment_id(self.client, experiment)
         self.status: str | None = None
         self._pending: list = []
         self.resumed = False
+        self.retry_every_s, self.offline_wait_s = retry_every_s, offline_wait_s
+        self.probe_timeout_s = min(PROBE_TIMEOUT_S, timeout_s)
+        self.offline_since: float | None = None  # monotonic time the current outage began
+        self.outages: list[str] = []
+        self._last_attempt = 0.0
         tags = dict(tags)
         if parent_run_id:
             tags[PARENT_TAG] = parent_run_id
         if resume_run_id and self._reopen(resume_run_id):
             self.run_id = resume_run_id
             self.resumed = True
+        else:
+            self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+        self.outbox = Outbox(uri, self.run_id, outbox_path)
+        if outbox_path is not None and outbox_path.exists():
+            self._send_left_over(outbox_path)
+        if self.resumed:
             self.set_tags(tags)
+
+    def _send_left_over(self, path: Path) -> None:
+        """A resumed job whose previous attempt lost the server: deliver what it kept first."""
+        left = Outbox.load(path)
+        if left.run_id != self.run_id:
+            log.warning("%s holds writes for MLflow run %s, not this one: left for `dlpipe sync`", path, left.run_id)
             return
-        self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+        left.entries = [e for e in left.entries if "end" not in e]  # this run goes on: no old end
+        left.send(self.client)
+        log.info("sent %s kept by the previous attempt", _describe(left.counts()))
 
     def _reopen(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException
@@ -116,7 +146,9 @@ class MlflowRun:
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self.client.log_batch(self.run_id, tags=[RunTag(k, _clip(v)) for k, v in tags.items()])
+        tags = {k: _clip(v) for k, v in tags.items()}
+        self._write(lambda: self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()]),
+                    lambda: self.outbox.tags(tags))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Buffer metrics (with their step and wall-clock time); they are written by flush()."""
@@ -131,24 +163,82 @@ class MlflowRun:
         """Write the buffered metrics, in MLflow-sized batches (the runner calls this per epoch)."""
         pending, self._pending = self._pending, []
         for i in range(0, len(pending), MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=pending[i : i + MAX_METRICS_PER_BATCH])
+            batch = pending[i : i + MAX_METRICS_PER_BATCH]
+            self._write(lambda: self.client.log_batch(self.run_id, metrics=batch), lambda: self.outbox.metrics(batch))
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        self._write(lambda: self.client.log_text(self.run_id, text, artifact_file),
+                    lambda: self.outbox.text(text, artifact_file))
 
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        self._write(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path),
+                    lambda: self.outbox.artifact(path, artifact_path))
+
+    def _write(self, send, keep) -> None:
+        """Send now; or, while the server is away, keep the write (after those already kept)."""
+        if self.offline_since is None:
+            try:
+                send()
+                return
+            except Exception as e:
+                if not unreachable(e):
+                    raise
+                self._went_away(e)
+        keep()
+        self._reconnect()
+
+    def _went_away(self, error: Exception) -> None:
+        self.offline_since = self._last_attempt = time.monotonic()
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        log.warning("tracking server unreachable (%s): training continues; metrics are kept in %s and "
+                    "sent when it is back", first[:200], self.outbox.path or "memory")
+
+    def _reconnect(self, force: bool = False) -> bool:
+        """Deliver the kept writes if the server answers again (tried at most every retry_every_s)."""
+        now = time.monotonic()
+        if not force and now - self._last_attempt < self.retry_every_s:
+            return False
+        self._last_attempt = now
+        if connect_error(self.uri, self.probe_timeout_s) is not None:
+            return False
+        counts = self.outbox.counts()
+        try:
+            self.outbox.send(self.client)
+        except Exception as e:
+            if unreachable(e):
+                return False  # it answered a connect but not the requests: try again later
+            raise
+        outage = f"unreachable for {time.monotonic() - self.offline_since:.0f} s; sent late: {_describe(counts)}"
+        self.outages.append(outage)
+        log.warning("tracking server is back (%s)", outage)
+        self.offline_since = None
+        return True
 
     def end(self, status: str, reason: str | None = None) -> None:
-        """Write what is buffered and mark the run ended."""
+        """Write what is buffered and mark the run ended; if the server is away, wait for it up to
+        offline_wait_s, then leave everything in the outbox file for `dlpipe sync`."""
         try:
             self.flush()  # a failed or killed run keeps the metrics it measured
             if reason:
                 self.set_tags({"dlpipe.end_reason": reason})
         finally:
+            deadline = time.monotonic() + self.offline_wait_s
+            while self.offline_since is not None and time.monotonic() < deadline:
+                time.sleep(min(2.0, max(deadline - time.monotonic(), 0)))
+                self._reconnect(force=True)
+            if self.offline_since is not None:
+                self.outages.append("unreachable at the end")
+            if self.outages:
+                self.set_tags({"dlpipe.tracking_outages": "; ".join(self.outages)})
             # the status matters more than the reason: never leave the run RUNNING
-            self.client.set_terminated(self.run_id, status)
+            self._write(lambda: self.client.set_terminated(self.run_id, status), lambda: self.outbox.end(status))
             self.status = status
+            if self.offline_since is not None:
+                self.status = f"{status}, not sent"
+                where = self.outbox.path.parent if self.outbox.path else None
+                log.error("tracking server still unreachable after %g s: %s and the run's end (%s) are kept in %s; "
+                          "send them with: dlpipe sync %s", self.offline_wait_s, _describe(self.outbox.counts()),
+                          status, self.outbox.path or "memory (lost at exit)", where or "")
 
     def __enter__(self) -> "MlflowRun":
         return self
@@ -163,6 +253,10 @@ class MlflowRun:
         else:
             self.end("FAILED", f"{exc_type.__name__}: {' '.join(user_message(exc))}")
         return False  # never swallow the exception
+
+
+def _describe(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {what}" for what, n in counts.items())
 
 
 class NullRun:

@@ -96,31 +96,53 @@ def test_sweep_with_a_bad_job_runs_the_others_and_fails(dlpipe, mlflow_store, ml
     assert "loader.num_workers=-1" in parent.data.tags["dlpipe.failed_overrides"]
 
 
-@pytest.mark.parametrize(
-    "override, expected",
-    [
-        ("loader.num_workers=-1", "loader.num_workers=-1: must be >= 0"),
-        ("loader.batch_size=0", "loader.batch_size=0: must be >= 1"),
-        ("trainer.accumulate=0", "trainer.accumulate=0: must be >= 1"),
-        ("loader.prefetch_factor=0", "loader.prefetch_factor=0: must be >= 1"),
-        ("trainer.amp=fp8", "trainer.amp=fp8: allowed: off, bf16, fp16"),
-        ("dataset._target_=nopkg.Data", "dataset._target_=nopkg.Data: cannot be imported"),
-        ("+dataset.colour=red", "dataset.colour: not a parameter of dlpipe.data.vision.SyntheticJPEGDataset"),
-        ("dataset.crop_size=99", "crop_size"),
-        ("trainer.device=mps", "trainer.device=mps: this torch build or machine has no MPS device"),
-        ("trainer.device=cuda:x", "trainer.device=cuda:x: allowed: cpu, cuda, cuda:N, mps"),
-        ("loader.batch_size=1000", "loader.batch_size=1000 with loader.drop_last=true: the training split has"),
-    ],
-)
-def test_bad_values_fail_before_tracking(dlpipe, tmp_path, mlflow_store, mlflow_client, override, expected):
-    """Out-of-range or unusable values exit 2 with one line naming key and value, and leave no MLflow run."""
-    exp = "bad-" + re.sub(r"[^A-Za-z0-9_.-]", "_", override)
-    extra = ["loader.drop_last=true"] if override.startswith("loader.batch_size=1000") else []
-    r = dlpipe(*FAST, override, *extra, f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}")
+# The bad-input table: every way a user can get the command line wrong, one row each. "{tmp}" is the
+# test's folder. Each must exit 2 with exactly one line naming the key or value and what is allowed.
+BAD_INPUT = [
+    (["loader.num_workerz=2"], "loader.num_workerz=2: no key 'num_workerz' in loader; did you mean loader.num_workers?"),
+    (["+loader.num_workerz=2"], "loader.num_workerz: no such key; did you mean loader.num_workers?"),
+    (["+trainer.epochs=3"], "+trainer.epochs=3: trainer.epochs already exists; drop the +"),
+    (["dataset.sizee=9"], "dataset.sizee=9: no key 'sizee' in dataset; did you mean dataset.size?"),
+    (["+dataset.colour=red"], "dataset.colour: not a parameter of dlpipe.data.vision.SyntheticJPEGDataset"),
+    (["loader.batch_size=abc"], "loader.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["loader.batch_size=["], "loader.batch_size=[: not a valid override"),
+    (["loader=fast"], "loader=fast: no such loader option; available: auto, in_memory, pytorch"),
+    (["model=nope"], "model=nope: no such model option; available: cnn, mlp, transformer"),
+    (["+recipe=nope"], "recipe=nope: no such recipe option; available: nlp, smoke, tabular, vision"),
+    (["model.width=${oc.env:DLPIPE_TEST_UNSET}"], "model.width: KeyError raised while resolving interpolation"),
+    (["loader.num_workers=-1"], "loader.num_workers=-1: must be >= 0"),
+    (["loader.batch_size=0"], "loader.batch_size=0: must be >= 1"),
+    (["trainer.accumulate=0"], "trainer.accumulate=0: must be >= 1"),
+    (["loader.prefetch_factor=0"], "loader.prefetch_factor=0: must be >= 1"),
+    (["loader.num_workers=0", "loader.prefetch_factor=4"],
+     "loader.prefetch_factor=4 with loader.num_workers=0: only workers prefetch"),
+    (["trainer.amp=fp8"], "trainer.amp=fp8: allowed: off, bf16, fp16"),
+    (["dataset._target_=nopkg.Data"], "dataset._target_=nopkg.Data: cannot be imported"),
+    (["dataset.crop_size=99"], "crop_size"),
+    (["trainer.device=mps"], "trainer.device=mps: this torch build or machine has no MPS device"),
+    (["trainer.device=cuda:x"], "trainer.device=cuda:x: allowed: cpu, cuda, cuda:N, mps"),
+    (["loader.batch_size=1000", "loader.drop_last=true"],
+     "loader.batch_size=1000 with loader.drop_last=true: the training split has"),
+    (["dataset=image_folder", "dataset.root={tmp}/nope", "model=cnn"], "does not exist"),
+    (["dataset=image_folder", "dataset.root={tmp}/empty", "model=cnn"], "{tmp}/empty"),
+    (["tracking.uri=http://127.0.0.1:9"], "tracking.uri=http://127.0.0.1:9: 127.0.0.1:9: Connection refused"),
+]
+
+
+@pytest.mark.parametrize("args, expected", BAD_INPUT, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_bad_input_fails_before_tracking(dlpipe, tmp_path, mlflow_store, mlflow_client, args, expected):
+    """Exit 2 with one line naming key and value, no traceback, no MLflow run, no half-made output dir."""
+    (tmp_path / "empty").mkdir()
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    expected = expected.replace("{tmp}", str(tmp_path))
+    exp = "bad-" + re.sub(r"[^A-Za-z0-9_.-]", "_", " ".join(args))[:80]
+    recipe = [] if args[0].startswith(("+recipe", "dataset=")) else ["+recipe=smoke"]  # smoke sets dataset keys
+    tracking = [] if args[0].startswith("tracking.uri") else [f"tracking.uri={mlflow_store}"]
+    r = dlpipe(*recipe, "trainer.progress=false", *args, *tracking, f"tracking.experiment={exp}")
     assert r.returncode == 2, r.stdout + r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error: ")]
     assert len(errors) == 1 and expected in errors[0], r.stderr
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.strip() == errors[0], r.stderr
     assert runs_of(mlflow_client, exp) == []
     assert not (tmp_path / "outputs").exists()  # no half-made run directory either
 
@@ -131,26 +153,6 @@ def test_all_problems_reported_together(dlpipe):
     assert r.returncode == 2
     errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error: ")]
     assert len(errors) == 3, r.stderr
-
-
-@pytest.mark.parametrize(
-    "override, expected",
-    [
-        ("loader.num_workerz=2", "num_workerz"),  # typo in a typed group
-        ("loader.batch_size=abc", "batch_size"),  # wrong type
-        ("+recipe=nope", "Available options in 'recipe'"),
-        ("model=nope", "Available options in 'model'"),
-    ],
-)
-def test_composition_errors_name_the_key(dlpipe, override, expected):
-    """Hydra-level mistakes fail before the job starts, naming the key or listing the options."""
-    args = [a for a in FAST if not a.startswith("+recipe")] if override.startswith("+recipe") else FAST
-    r = dlpipe(*args, override, "tracking=none")
-    assert r.returncode != 0
-    assert expected in r.stderr
-    if override == "+recipe=nope":
-        for name in ("nlp", "smoke", "tabular", "vision"):
-            assert name in r.stderr
 
 
 def test_missing_image_folder_is_a_clear_error(dlpipe, tmp_path):

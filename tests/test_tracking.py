@@ -1,75 +1,24 @@
 """MLflow tracking: run statuses, async metrics, params limits, and a real `mlflow server` on 127.0.0.1."""
 
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
-
 import pytest
 
 from conftest import runs_of
+from mlflow_server import free_port, start_server, stop_tree
 from dlpipe.errors import DlpipeError
 from dlpipe.tracking import MAX_PARAM_CHARS, MlflowRun, Terminated
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` bound to 127.0.0.1; stopped by its process group when the module ends."""
-    root = tmp_path_factory.mktemp("server")
-    port = _free_port()
-    mlflow_bin = Path(sys.executable).with_name("mlflow")
-    proc = subprocess.Popen(
-        [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--artifacts-destination", str(root / "artifacts")],
-        stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True,  # its own process group: uvicorn workers are stopped with it
-        # MLflow 3 also starts a pool of background job consumers that take CPU from the tests
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-    )
-    url = f"http://127.0.0.1:{port}"
+    """A real `mlflow server` bound to 127.0.0.1; stopped with its children when the module ends."""
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass  # not listening yet
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("mlflow server did not start:\n" + (root / "server.log").read_text()[-2000:])
-            time.sleep(0.5)
-        yield url
+        proc = start_server(tmp_path_factory.mktemp("server"), port := free_port())
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    try:
+        yield f"http://127.0.0.1:{port}"
     finally:
         stop_tree(proc)
-
-
-def stop_tree(proc: subprocess.Popen) -> None:
-    """Stop a server by its PID and every descendant (even one that left the process group)."""
-    import psutil
-
-    try:
-        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        family = []
-    for p in family:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            continue  # already gone
-    _, alive = psutil.wait_procs(family, timeout=15)
-    for p in alive:
-        p.kill()
-    proc.wait(timeout=15)
 
 
 def _run(store: str, experiment: str) -> MlflowRun:
@@ -150,7 +99,7 @@ def test_train_against_real_server(dlpipe, mlflow_server):
 
 def test_unreachable_server_is_a_clear_error(dlpipe):
     """An unreachable tracking server fails fast with one line naming tracking.uri, before training."""
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     r = dlpipe("+recipe=smoke", f"tracking.uri=http://127.0.0.1:{port}", "tracking.request_retries=0",
                timeout=120)
     assert r.returncode == 2, r.stderr

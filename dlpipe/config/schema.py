@@ -88,6 +88,11 @@ class TrackingConfig:
     """HTTP timeout per tracking request, so an unreachable server fails in seconds, not minutes."""
     request_retries: int = 2
     """HTTP retries per tracking request."""
+    retry_every_s: float = 30.0
+    """While the server is away mid-run: seconds between reconnect attempts (made at metric flushes)."""
+    offline_wait_s: float = 30.0
+    """At the end of a run with the server away: seconds to wait for it before leaving the unsent
+    writes in the output directory for `dlpipe sync`."""
 
 
 @dataclass

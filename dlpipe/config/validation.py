@@ -1,5 +1,6 @@
 """Range and cross-field checks on the resolved config; every problem is collected into one error."""
 
+import difflib
 import importlib
 import inspect
 import re
@@ -21,6 +22,9 @@ def _check_loader(c: LoaderConfig) -> list[str]:
         p.append(f"loader.num_workers={c.num_workers}: must be >= 0 (0 loads in the main process)")
     if c.prefetch_factor is not None and c.prefetch_factor < 1:
         p.append(f"loader.prefetch_factor={c.prefetch_factor}: must be >= 1 or null")
+    elif c.prefetch_factor is not None and c.num_workers == 0:
+        p.append(f"loader.prefetch_factor={c.prefetch_factor} with loader.num_workers=0: only workers prefetch; "
+                 "set loader.num_workers >= 1 or loader.prefetch_factor=null")
     if c.timeout < 0:
         p.append(f"loader.timeout={c.timeout}: must be >= 0 (0 waits forever)")
     if c.multiprocessing_context is not None and c.multiprocessing_context not in _CONTEXTS:
@@ -65,6 +69,10 @@ def _check_tracking(c: TrackingConfig) -> list[str]:
         p.append(f"tracking.request_timeout_s={c.request_timeout_s}: must be > 0")
     if c.request_retries < 0:
         p.append(f"tracking.request_retries={c.request_retries}: must be >= 0")
+    if c.retry_every_s <= 0:
+        p.append(f"tracking.retry_every_s={c.retry_every_s}: must be > 0")
+    if c.offline_wait_s < 0:
+        p.append(f"tracking.offline_wait_s={c.offline_wait_s}: must be >= 0")
     return p
 
 
@@ -129,14 +137,29 @@ def _check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
     return []
 
 
+_SECTIONS = {"loader": (LoaderConfig, _check_loader), "trainer": (TrainerConfig, _check_trainer),
+             "tracking": (TrackingConfig, _check_tracking), "telemetry": (TelemetryConfig, _check_telemetry),
+             "checkpoint": (CheckpointConfig, _check_checkpoint)}
+
+
+def _unknown_keys(section: str, schema, node: dict) -> list[str]:
+    """Keys a `+key=value` override added to a typed section (Hydra lets `+` bypass the schema)."""
+    allowed = list(schema.__dataclass_fields__)
+    problems = []
+    for key in node:
+        if key not in allowed:
+            guess = difflib.get_close_matches(key, allowed, n=1)
+            hint = f"did you mean {section}.{guess[0]}? " if guess else ""
+            problems.append(f"{section}.{key}: no such key; {hint}allowed: {', '.join(sorted(allowed))}")
+    return problems
+
+
 def validate(resolved: dict) -> None:
     """Raise ConfigError listing every problem in a resolved config (a plain dict)."""
     problems = []
-    problems += _check_loader(LoaderConfig(**resolved["loader"]))
-    problems += _check_trainer(TrainerConfig(**resolved["trainer"]))
-    problems += _check_tracking(TrackingConfig(**resolved["tracking"]))
-    problems += _check_telemetry(TelemetryConfig(**resolved["telemetry"]))
-    problems += _check_checkpoint(CheckpointConfig(**resolved["checkpoint"]))
+    for section, (schema, check) in _SECTIONS.items():
+        unknown = _unknown_keys(section, schema, resolved[section])
+        problems += unknown or check(schema(**resolved[section]))
     problems += _check_target("dataset", resolved["dataset"])
     problems += _check_target("model", resolved["model"])
     # optimizers take the parameters first (a partial): skip it in the 'allowed' listing

@@ -1,0 +1,62 @@
+"""Hydra's composition errors as one line naming the override, the key and what is allowed.
+
+Hydra reports a typo or an unknown option over several lines (plus its config search path); the
+CLI asks Hydra to raise instead (HYDRA_FULL_ERROR) and prints what `one_line` makes of it.
+"""
+
+import difflib
+
+from hydra.errors import (ConfigCompositionException, MissingConfigException, OverrideParseException)
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+def _override_for(key: str, overrides: list[str]) -> str:
+    """The command-line override that set `key` (the key itself if none did, e.g. in a recipe)."""
+    for o in overrides:
+        if o.lstrip("+~").split("=", 1)[0] == key:
+            return o
+    return key
+
+
+def _allowed_keys(error: OmegaConfBaseException) -> list[str]:
+    parent = error.parent_node
+    if parent is not None and hasattr(parent, "keys"):
+        return sorted(str(k) for k in parent.keys())
+    fields = getattr(error.object_type, "__dataclass_fields__", None)
+    return sorted(fields) if fields else []
+
+
+def _unknown_key(error: OmegaConfBaseException, overrides: list[str]) -> str:
+    key = error.full_key or str(error.key)
+    section, _, name = key.rpartition(".")
+    allowed = _allowed_keys(error)
+    guess = difflib.get_close_matches(name, allowed, n=1)
+    hint = f"did you mean {section + '.' if section else ''}{guess[0]}? " if guess else ""
+    return f"{_override_for(key, overrides)}: no key {name!r} in {section or 'the config'}; {hint}allowed: {', '.join(allowed)}"
+
+
+def one_line(exc: BaseException, overrides: list[str]) -> str | None:
+    """A one-line message for a Hydra composition error; None for anything else."""
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
+        group, _, option = exc.missing_cfg_file.rpartition("/")
+        if group and exc.options:
+            return f"{group}={option}: no such {group} option; available: {', '.join(sorted(exc.options))}"
+        return str(exc).splitlines()[0]
+    if isinstance(exc, OverrideParseException):
+        reason = str(exc).splitlines()[0]
+        return (f"{exc.override}: not a valid override ({reason}); write key=value, quoting values with "
+                "spaces or brackets: 'key=\"a b\"'")
+    if not isinstance(exc, ConfigCompositionException):
+        return None
+    cause = exc.__cause__
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        return _unknown_key(cause, overrides)
+    if isinstance(cause, ValidationError):
+        key = cause.full_key or str(cause.key)
+        return f"{_override_for(key, overrides)}: {str(cause).splitlines()[0]}"
+    lines = str(exc).splitlines()
+    if lines and lines[0].startswith("Could not append to config. An item is already at"):
+        key = lines[0].rsplit("'", 2)[-2]
+        override = _override_for(key, overrides)
+        return f"{override}: {key} already exists; drop the + to change it ({override.lstrip('+')})"
+    return " ".join(line.strip() for line in lines[:2] if line.strip()) or None

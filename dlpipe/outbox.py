@@ -1,0 +1,160 @@
+"""What a run could not send to its tracking server, kept in order until the server is back.
+
+A tracking server that goes away mid-run must not stop training or lose a metric. MlflowRun puts
+every write it could not deliver here; each one is also appended to a JSON-lines file in the run's
+output directory, so even a process that dies while the server is away leaves a complete record.
+`dlpipe sync DIR` replays that file once the server is reachable again.
+"""
+
+import json
+import logging
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+OUTBOX_FILE = "mlflow_outbox.jsonl"
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+
+
+def unreachable(exc: BaseException) -> bool:
+    """True when `exc` means the server could not be reached (refused, timed out, reset, 5xx after
+    retries), as opposed to the server answering that a request is wrong."""
+    import requests
+    from mlflow.exceptions import MlflowException, RestException
+
+    if isinstance(exc, RestException):
+        return False  # the server answered: the request itself is at fault
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, (OSError, requests.RequestException)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    # MLflow wraps a failed request in a bare MlflowException without chaining it in some paths
+    return isinstance(exc, MlflowException) and str(exc).startswith("API request to")
+
+
+def connect_error(uri: str, timeout_s: float) -> str | None:
+    """Why an http(s) tracking URI cannot be reached (None when a TCP connect succeeds).
+
+    A connect costs nothing when the port is closed and at most `timeout_s` when packets go
+    nowhere, so it answers long before an MLflow request with retries would. Other stores (SQLite,
+    files) are local: None.
+    """
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+            return None
+    except TimeoutError:
+        return f"no answer from {parts.hostname}:{port} within {timeout_s:g} s"
+    except OSError as e:
+        return f"{parts.hostname}:{port}: {e.strerror or e}"
+
+
+@dataclass
+class Outbox:
+    """Undelivered writes of one run, in the order they were made."""
+
+    uri: str
+    run_id: str
+    path: Path | None = None
+    entries: list[dict] = field(default_factory=list)
+
+    def add(self, entry: dict) -> None:
+        self.entries.append(entry)
+        if self.path is None:
+            return
+        new = not self.path.exists()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            if new:  # the first line says where the entries belong
+                f.write(json.dumps({"uri": self.uri, "run_id": self.run_id}) + "\n")
+            f.write(json.dumps(entry) + "\n")
+
+    def metrics(self, metrics: list) -> None:
+        if metrics:
+            self.add({"metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics]})
+
+    def tags(self, tags: dict[str, str]) -> None:
+        self.add({"tags": tags})
+
+    def text(self, text: str, artifact_file: str) -> None:
+        self.add({"text": text, "artifact_file": artifact_file})
+
+    def artifact(self, path, artifact_path: str | None) -> None:
+        self.add({"artifact": str(path), "artifact_path": artifact_path})
+
+    def end(self, status: str) -> None:
+        self.add({"end": status})
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "metrics": sum(len(e["metrics"]) for e in self.entries if "metrics" in e),
+            "other writes": sum(1 for e in self.entries if "metrics" not in e),
+        }
+
+    def send(self, client) -> str | None:
+        """Deliver every entry in order with `client`; return the end status if one was queued.
+
+        Entries are dropped as they are delivered, so a failure part-way through (the server went
+        away again) leaves exactly the undelivered ones, and the file is rewritten to match.
+        """
+        from mlflow.entities import Metric, RunTag
+
+        ended = None
+        try:
+            while self.entries:
+                entry = self.entries[0]
+                if "metrics" in entry:
+                    while entry["metrics"]:
+                        batch = entry["metrics"][:MAX_METRICS_PER_BATCH]
+                        client.log_batch(self.run_id, metrics=[Metric(*row) for row in batch])
+                        # a batch sent is removed, so a retry after a failure never repeats it
+                        entry["metrics"] = entry["metrics"][MAX_METRICS_PER_BATCH:]
+                elif "tags" in entry:
+                    client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in entry["tags"].items()])
+                elif "text" in entry:
+                    client.log_text(self.run_id, entry["text"], entry["artifact_file"])
+                elif "artifact" in entry:
+                    if Path(entry["artifact"]).exists():
+                        client.log_artifact(self.run_id, entry["artifact"], entry["artifact_path"])
+                    else:
+                        log.warning("%s no longer exists: not sent", entry["artifact"])
+                elif "end" in entry:
+                    client.set_terminated(self.run_id, entry["end"])
+                    ended = entry["end"]
+                self.entries.pop(0)
+        finally:
+            self._rewrite()
+        return ended
+
+    def _rewrite(self) -> None:
+        if self.path is None:
+            return
+        if not self.entries:
+            self.path.unlink(missing_ok=True)
+            return
+        tmp = self.path.with_suffix(".tmp")
+        lines = [{"uri": self.uri, "run_id": self.run_id}, *self.entries]
+        tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        tmp.replace(self.path)
+
+    @classmethod
+    def load(cls, path: Path) -> "Outbox":
+        """The outbox a run left in `path` (a torn last line, from a kill mid-write, is skipped)."""
+        lines = path.read_text().splitlines()
+        if not lines:
+            raise ValueError(f"{path} is empty")
+        head = json.loads(lines[0])
+        entries = []
+        for number, line in enumerate(lines[1:], start=2):
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                log.warning("%s:%d is incomplete (the process was killed while writing it): skipped", path, number)
+        return cls(head["uri"], head["run_id"], path, entries)
