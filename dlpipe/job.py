@@ -78,6 +78,7 @@ def stop_gracefully(trainer):
     recorded, further signals are ignored so they cannot cut a checkpoint or the run's status short.
     Enter it before the tracking run so it also covers ending the run.
     """
+    from dlpipe.data.worker_signals import clear_stop, mark_stop_began
     from dlpipe.tracking import Terminated
 
     def handler(signum, frame):
@@ -86,6 +87,7 @@ def stop_gracefully(trainer):
             log.warning("%s ignored: the stop is being recorded", name)
             return
         if trainer.stop_requested is None:
+            mark_stop_began()  # workers that got the same signal leave their shutdown to us
             trainer.stop_requested = name
             log.warning("%s received: stopping at the next optimizer step (send it again to stop at once)", name)
             return
@@ -93,10 +95,12 @@ def stop_gracefully(trainer):
             raise KeyboardInterrupt
         raise Terminated(name)
 
+    clear_stop()
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
+        clear_stop()
         for sig, old in previous.items():
             signal.signal(sig, old)
 
@@ -163,6 +167,10 @@ def record_stop(trainer, reason: str, store, loader, tracked, config_flat: dict)
     from dlpipe.checkpoint import save_atomic
 
     epoch = len(trainer.history) + 1
+    if trainer.interrupted_at is None:
+        log.warning("stopped by %s in epoch %d between optimizer steps (the loader's workers died of the "
+                    "signal): resuming starts from the last finished epoch", reason, epoch)
+        return
     if store is None:
         log.warning("stopped by %s in epoch %d: checkpoint.enabled=false, nothing saved", reason, epoch)
         return
@@ -191,6 +199,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     from dlpipe.build import build_data_and_model, build_loaders
     from dlpipe.checkpoint import CheckpointStore
     from dlpipe.data.faults import explain_loader_failure
+    from dlpipe.data.worker_signals import start_helper_processes
     from dlpipe.resume import check_model_fits, config_changes, find_start
     from dlpipe.console import summary_table
     from dlpipe.profiling import AllocationSnapshot, StepProfiler
@@ -266,6 +275,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
             state.update(mlflow_run_id=tracked.run_id, config=config_flat)
             store.save(state, int(row["epoch"]), row)
 
+    start_helper_processes(resolved["loader"]["multiprocessing_context"] if loader.num_workers else None)
     resume_run = start.get("mlflow_run_id") if start else None
     with stop_gracefully(trainer), open_run(ctx, resolved["tracking"], tags, resume_run) as tracked:
         tracked.log_params(params)

@@ -23,11 +23,17 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class StopTraining(Exception):
-    """Training stopped at an optimizer step because stop_requested was set (by a signal)."""
+    """Training stopped because stop_requested was set (by a signal): at an optimizer step, or
+    (at_step=False) mid-accumulation because the loader's workers died of the same signal."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, at_step: bool = True):
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.at_step = reason, at_step
+
+
+def workers_died(error: RuntimeError) -> bool:
+    text = str(error)
+    return "DataLoader worker" in text and ("exited unexpectedly" in text or "killed by signal" in text)
 
 
 class MetricSink(Protocol):
@@ -229,6 +235,16 @@ class Trainer:
             try:
                 batch = next(iterator)
             except StopIteration:
+                break
+            except RuntimeError as e:
+                if not (self.stop_requested and workers_died(e)):
+                    raise
+                # The stop signal reached the workers too (scancel, kill -PGID) while a spawned
+                # worker was still starting, before it could shield itself: stop here if this is
+                # an optimizer step boundary, else keep the last epoch's checkpoint as the resume point.
+                if window_micro:
+                    raise StopTraining(self.stop_requested, at_step=False) from None
+                self.interrupted_at = done
                 break
             clock.waited()
             if time_copies:

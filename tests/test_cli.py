@@ -266,8 +266,9 @@ def test_worker_faults_fail_the_run_with_the_likely_cause(dlpipe, mlflow_store, 
     assert run.info.status == "FAILED" and expected in run.data.tags["dlpipe.end_reason"]
 
 
-def start_slow_run(tmp_path, mlflow_store, exp: str, *extra: str) -> subprocess.Popen:
-    """A training run over a slow dataset (about 0.2 s a batch), in tmp_path/run."""
+def start_slow_run(tmp_path, mlflow_store, exp: str, *extra: str, new_session: bool = False) -> subprocess.Popen:
+    """A training run over a slow dataset (about 0.2 s a batch), in tmp_path/run (in a process
+    group of its own with `new_session`, so a test can signal the whole group)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env["PYTHONPATH"] = str(TESTS_DIR)
     env.update(NO_PHONE_HOME)
@@ -276,11 +277,13 @@ def start_slow_run(tmp_path, mlflow_store, exp: str, *extra: str) -> subprocess.
          "loader.num_workers=0", "trainer.epochs=2", "trainer.val_fraction=0", f"hydra.run.dir={tmp_path / 'run'}",
          f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}", *extra],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=new_session,
     )
 
 
-def signal_when_training(proc, mlflow_client, exp: str, sig) -> tuple[int, str, str]:
-    """Wait until the run is RUNNING and a batch or two in, send `sig`: (exit code, stdout, stderr)."""
+def signal_when_training(proc, mlflow_client, exp: str, sig, group: bool = False) -> tuple[int, str, str]:
+    """Wait until the run is RUNNING and a batch or two in, send `sig` to the process (or its whole
+    group, workers included): (exit code, stdout, stderr)."""
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -290,7 +293,10 @@ def signal_when_training(proc, mlflow_client, exp: str, sig) -> tuple[int, str, 
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.3)
         time.sleep(1.0)  # into the training loop
-        proc.send_signal(sig)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
         return proc.returncode, out, err
     finally:
@@ -314,6 +320,22 @@ def test_signal_checkpoints_and_ends_run_killed(tmp_path, mlflow_store, mlflow_c
     assert state["epoch"] == 0 and state["batches_done"] >= 1 and state["step"] == state["batches_done"]
     assert "run the same command to resume" in out + err  # the log names the checkpoint
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_to_the_whole_group_spares_the_workers(tmp_path, mlflow_store, mlflow_client, context, sig):
+    """scancel and `kill -PGID` signal the workers too: they must not die before the main process
+    has stopped cleanly (spawned workers even while they start), so the run still ends KILLED."""
+    exp = f"group-{context}-{sig.name}"
+    proc = start_slow_run(tmp_path, mlflow_store, exp, "loader.num_workers=2",
+                          f"loader.multiprocessing_context={context}", new_session=True)
+    code, out, err = signal_when_training(proc, mlflow_client, exp, sig, group=True)
+    assert code == 143, err
+    [run] = runs_of(mlflow_client, exp)
+    assert run.info.status == "KILLED" and sig.name in run.data.tags["dlpipe.end_reason"], err
+    assert "killed by signal" not in err and "Traceback" not in err
+    assert list((tmp_path / "run" / "checkpoints").glob("epoch-*.pt"))
 
 
 def test_stopped_run_resumes_in_the_same_mlflow_run(tmp_path, mlflow_store, mlflow_client):

@@ -5,12 +5,13 @@ prefetch_factor with 0 workers, persistent workers with none to keep); here they
 and every change is returned as a note for the run log.
 """
 
-import signal
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from dlpipe.data.worker_signals import SignalSafeLoader, worker_init_fn
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,6 @@ class EpochShuffle(Sampler[int]):
         g = torch.Generator()
         g.manual_seed(self.seed * 1_000_003 + self.epoch)
         return iter(torch.randperm(self.size, generator=g).tolist())
-
-
-def ignore_interrupts(worker_id: int) -> None:
-    """DataLoader worker_init_fn: Ctrl-C in a terminal reaches the whole process group, and a
-    worker that died of it would fail the batches the main process still fetches on its way to a
-    clean stop. The main process decides when to stop; its workers follow when it shuts them down."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def sample_bytes(dataset: Dataset) -> int:
@@ -113,7 +107,7 @@ def build_loader(
     # worker and repeat for the same seed without a worker_init_fn.
     generator = torch.Generator()
     generator.manual_seed(seed)
-    loader = DataLoader(
+    loader = SignalSafeLoader(
         dataset,
         batch_size=batch_size,
         sampler=EpochShuffle(len(dataset), seed) if shuffle else None,
@@ -124,7 +118,7 @@ def build_loader(
         persistent_workers=persistent_workers,
         timeout=timeout,
         multiprocessing_context=multiprocessing_context,
-        worker_init_fn=ignore_interrupts if num_workers > 0 else None,
+        worker_init_fn=worker_init_fn() if num_workers > 0 else None,
         generator=generator,
     )
     batch = sample_bytes(dataset) * batch_size

@@ -1,0 +1,118 @@
+"""DataLoader workers survive the stop signal their main process is handling.
+
+A stop signal often reaches every process of the job, not only the main one: Ctrl-C goes to the
+terminal's process group, `scancel` and Slurm's pre-emption warning to every process of the step,
+`kill -TERM -PGID` to the group. SIGTERM, SIGUSR1 and SIGUSR2 kill a process by default, so the
+workers would die while the main process is still on its way to a clean stop, and the run would end
+FAILED ("worker killed by signal") instead of KILLED with a checkpoint.
+
+So a worker ignores SIGINT, and on SIGTERM/SIGUSR1/SIGUSR2 checks whether the main process began a
+stop within the last few seconds (a shared timestamp its signal handler sets): then it is the same
+signal, and the main process shuts the worker down itself. Otherwise (the main process stopping a
+stuck worker with terminate(), or a signal meant for this worker only) it dies as it would have.
+
+A spawned (or forkserver) worker runs no Python code of ours until worker_init_fn, seconds after it
+starts, and the signal mask is not inherited through exec here, so a signal in that window still
+kills it. For that case PyTorch's SIGCHLD handler (which raises wherever the main thread is) is made
+to stand aside during a stop, and the trainer treats "worker died" from next() as the stop itself.
+"""
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from functools import partial
+
+from torch.utils.data import DataLoader
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+SAME_SIGNAL_WINDOW_S = 3.0  # a stop begun this recently by the main process is the signal we got
+WAIT_FOR_MAIN_S = 5.0  # the main process may be inside a long C call before its handler runs
+
+_stop_began = None  # shared double: monotonic time of the main process's stop, 0 while training
+
+
+def _shared_clock():
+    global _stop_began
+    if _stop_began is None:
+        _stop_began = multiprocessing.get_context("spawn").RawValue("d", 0.0)
+    return _stop_began
+
+
+def mark_stop_began() -> None:
+    """Called by the main process's stop handler; the workers' handlers read it."""
+    _shared_clock().value = time.monotonic()
+
+
+def clear_stop() -> None:
+    _shared_clock().value = 0.0
+
+
+def _on_stop_signal(stop_began, signum, frame) -> None:
+    deadline = time.monotonic() + WAIT_FOR_MAIN_S
+    while True:
+        began = stop_began.value
+        if began and time.monotonic() - began < SAME_SIGNAL_WINDOW_S:
+            return  # the main process is stopping for this signal and will shut us down
+        if began or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # die of the signal, as without this handler
+
+
+def init_worker(stop_began, worker_id: int) -> None:
+    """worker_init_fn (bound to the shared stop clock with functools.partial)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, partial(_on_stop_signal, stop_began))
+
+
+def worker_init_fn():
+    return partial(init_worker, _shared_clock())
+
+
+def start_helper_processes(context: str | None) -> None:
+    """Start multiprocessing's helper processes for spawn/forkserver workers with the stop signals
+    ignored (a disposition that survives exec), so a signal to the whole job cannot kill them.
+
+    Without this, a group SIGUSR1 kills the resource tracker (which ignores only SIGINT and
+    SIGTERM; its replacement then prints a KeyError traceback), and a group SIGTERM the forkserver.
+    Call it before the job's own stop handlers are installed: until then these signals would have
+    killed this process outright, so ignoring them for the few milliseconds this takes loses nothing.
+    """
+    if context not in ("spawn", "forkserver"):
+        return
+    from multiprocessing import forkserver, resource_tracker
+
+    ignored = (signal.SIGINT, *STOP_SIGNALS)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
+    try:
+        resource_tracker.ensure_running()
+        if context == "forkserver":
+            forkserver.ensure_running()  # its workers inherit the ignored signals until init_worker
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _on_child_exit(previous, signum, frame) -> None:
+    if _shared_clock().value:
+        return  # stopping: next() reports dead workers, at a point where the trainer can stop cleanly
+    if callable(previous):
+        previous(signum, frame)
+
+
+class SignalSafeLoader(DataLoader):
+    """A DataLoader whose workers leave stopping to the main process (see the module docstring)."""
+
+    def _get_iterator(self):
+        iterator = super()._get_iterator()
+        if self.num_workers and threading.current_thread() is threading.main_thread():
+            # PyTorch's SIGCHLD handler raises "worker exited unexpectedly" wherever the main
+            # thread is, mid optimizer step included; while a stop is under way, let next() say it.
+            previous = signal.getsignal(signal.SIGCHLD)
+            if getattr(previous, "func", None) is not _on_child_exit:
+                signal.signal(signal.SIGCHLD, partial(_on_child_exit, previous))
+        return iterator
