@@ -47,8 +47,8 @@ def validation_view(dataset):
     return plain
 
 
-def build_data_and_model(resolved: dict):
-    """Dataset splits, model and optimizer; raises ConfigError/DataError naming the bad key."""
+def build_datasets(resolved: dict):
+    """(train split, validation split or None, the whole dataset); raises ConfigError/DataError."""
     from torch.utils.data import Subset
 
     from dlpipe.data.faults import NamedErrors
@@ -61,7 +61,11 @@ def build_data_and_model(resolved: dict):
     if val_set is not None:
         val_set = Subset(validation_view(dataset), val_set.indices)
         val_set = NamedErrors(val_set)
-    train_set = NamedErrors(train_set)
+    return NamedErrors(train_set), val_set, dataset
+
+
+def build_model(resolved: dict, dataset):
+    """Model and optimizer (the model's num_classes may come from the dataset)."""
     model_cfg = dict(resolved["model"])
     if model_cfg.get("num_classes", 0) is None:
         if not hasattr(dataset, "num_classes"):
@@ -70,7 +74,38 @@ def build_data_and_model(resolved: dict):
     model = _instantiate("model", model_cfg)
     # The model's parameters are the optimizer's first argument, `params`, passed here.
     optimizer = _instantiate("optim", resolved["optim"], params=model.parameters())
+    return model, optimizer
+
+
+def build_data_and_model(resolved: dict):
+    """Dataset splits, model and optimizer; raises ConfigError/DataError naming the bad key."""
+    train_set, val_set, dataset = build_datasets(resolved)
+    model, optimizer = build_model(resolved, dataset)
     return train_set, val_set, model, optimizer
+
+
+def fit_workers_to_data(raw: dict, resolved: dict, train_set) -> str | None:
+    """With automatic worker settings, drop the workers when a batch is cheap to fetch in this
+    process (data in memory): updates `resolved["loader"]` and returns the explanation, or None."""
+    from dlpipe.config.decisions import workers_for_data
+    from dlpipe.data.probe import batch_fetch_seconds
+
+    loader = resolved["loader"]
+    if not (isinstance(raw["loader"]["num_workers"], str) and raw["loader"]["num_workers"].startswith("${auto_workers:")):
+        return None  # the user chose: their value stands (the lint and `dlpipe tune` can question it)
+    if loader["num_workers"] == 0 or len(train_set) == 0:
+        return None
+    fetch = batch_fetch_seconds(train_set, loader["batch_size"])
+    decision = workers_for_data(loader["num_workers"], fetch, loader["batch_size"])
+    if decision.value == loader["num_workers"]:
+        return None
+    loader["num_workers"] = decision.value
+    # the values derived from the worker count follow it, unless the user set them
+    if isinstance(raw["loader"]["prefetch_factor"], str) and "auto_prefetch" in raw["loader"]["prefetch_factor"]:
+        loader["prefetch_factor"] = None
+    if isinstance(raw["loader"]["persistent_workers"], str) and "auto_persistent" in raw["loader"]["persistent_workers"]:
+        loader["persistent_workers"] = False
+    return f"{decision.value} (auto: {decision.reason})"
 
 
 def build_loaders(resolved: dict, train_set, val_set):
@@ -78,6 +113,7 @@ def build_loaders(resolved: dict, train_set, val_set):
 
     lc = dict(resolved["loader"])
     val_batch = lc.pop("val_batch_size") or lc["batch_size"]
+    lc.pop("tuned_on")  # provenance for the lint, not a DataLoader setting
     cuda = resolved["trainer"]["device"].startswith("cuda")
     seed = resolved["trainer"]["seed"]
     train = build_loader(train_set, **lc, seed=seed, cuda=cuda, role="train")

@@ -89,7 +89,14 @@ def _job(cfg: DictConfig):
             recipe=hc.runtime.choices.get("recipe"),
             multirun=multirun,
         )
-        return job.run(ctx, *resolve(cfg))
+        task = cfg.get("task", "train")
+        if task == "bench":
+            from dlpipe import bench as task_module
+        elif task == "tune":
+            from dlpipe import tune as task_module
+        else:
+            task_module = job
+        return task_module.run(ctx, *resolve(cfg))
     except KeyboardInterrupt:
         print("dlpipe: interrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(130)
@@ -114,6 +121,10 @@ def main() -> None:
         from dlpipe import sync
 
         sys.exit(sync.main(sys.argv[2:]))
+    if sys.argv[1:2] in (["bench"], ["tune"]):
+        # `dlpipe bench ARGS` is `dlpipe ARGS task=bench`: the same Hydra app, so recipes,
+        # overrides and --multirun work unchanged (last, after any --config-dir option)
+        sys.argv = [sys.argv[0], *sys.argv[2:], f"task={sys.argv[1]}"]
     import hydra
 
     # Registered before Hydra starts, so they are pickled with the task for launcher jobs.

@@ -196,10 +196,11 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
 
     import torch
 
-    from dlpipe.build import build_data_and_model, build_loaders
+    from dlpipe.build import build_data_and_model, build_loaders, fit_workers_to_data
     from dlpipe.checkpoint import CheckpointStore
     from dlpipe.data.faults import explain_loader_failure
     from dlpipe.data.worker_signals import start_helper_processes
+    from dlpipe.lint import lint_job
     from dlpipe.resume import check_model_fits, config_changes, find_start
     from dlpipe.console import summary_table
     from dlpipe.profiling import AllocationSnapshot, StepProfiler
@@ -212,17 +213,24 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     trainer_cfg, telemetry = resolved["trainer"], resolved["telemetry"]
     seed_everything(trainer_cfg["seed"], trainer_cfg["deterministic"])
     train_set, val_set, model, optimizer = build_data_and_model(resolved)
+    fitted = fit_workers_to_data(raw, resolved, train_set)
+    if fitted:
+        decided["loader.num_workers"] = fitted
+        log.info("loader.num_workers = %s", fitted)
     train_plan, val_plan = build_loaders(resolved, train_set, val_set)
     for plan in (train_plan, val_plan):
         for note in plan.notes if plan else ():
             log.warning(note)
+
+    budget = hardware.cpu_budget()
+    for line in lint_job(resolved, len(train_set), train_plan.batch_bytes, budget.budget):
+        log.warning("lint: %s", line)
 
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
     shown = redact_tree(resolved)  # what is recorded anywhere; `resolved` itself builds the job
     resolved_yaml = yaml.safe_dump(shown, sort_keys=False)
     (ctx.output_dir / "resolved_config.yaml").write_text(resolved_yaml)
 
-    budget = hardware.cpu_budget()
     config_flat = flatten(shown)
     params = dict(config_flat)
     params.update(hardware.host_facts(cpu=budget))
@@ -302,6 +310,9 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
                 raise
             raise DataError(why) from e
         finally:
+            for plan in (train_plan, val_plan):
+                if plan is not None:
+                    plan.loader.shutdown()  # persistent workers end with training, not at exit
             sampler.stop()
             written = profiler.finish() + allocations.finish()  # files stay in the output dir on failure
         for path in written:

@@ -19,6 +19,10 @@ COLUMNS = [
     ("cpu %", "cpu_util"),
     ("gpu %", "gpu_util"),
     ("rss MB", "rss_peak_mb"),
+    ("first batch s", "first_batch_s"),  # dlpipe bench sweeps
+    ("cpu/worker %", "cpu_per_worker_pct"),
+    ("worker MB", "worker_rss_mean_mb"),
+    ("tree peak MB", "tree_rss_peak_mb"),
 ]
 
 # (panel title, metric, factor applied for display) for the plot. A panel is drawn only when some
@@ -65,9 +69,11 @@ def _cell(v: float | None) -> str:
 def sweep_table(children) -> tuple[str, object | None, str]:
     """A markdown table of child runs (overrides vs their last epoch's metrics), the fastest run and its name."""
     names = job_names(children)
-    lines = ["| job | status | " + " | ".join(t for t, _ in COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 2)]
+    # only what some job measured: a bench sweep has no loss, a training sweep no first-batch time
+    columns = [(t, key) for t, key in COLUMNS if any(key in r.data.metrics for r in children)] or COLUMNS[:1]
+    lines = ["| job | status | " + " | ".join(t for t, _ in columns) + " |", "|" + "---|" * (len(columns) + 2)]
     for r in ordered(children):
-        cells = " | ".join(_cell(r.data.metrics.get(key)) for _, key in COLUMNS)
+        cells = " | ".join(_cell(r.data.metrics.get(key)) for _, key in columns)
         lines.append(f"| {names[r.info.run_id]} | {r.info.status} | {cells} |")
     best = best_run(children)
     return "\n".join(lines), best, names[best.info.run_id] if best else ""

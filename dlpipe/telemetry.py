@@ -237,6 +237,8 @@ class ResourceSampler:
             if weighted:
                 out[key] = sum(v * w for v, w in weighted) / sum(w for _, w in weighted)
         out["rss_peak_mb"] = max(s["rss_mb"] for s in samples)
+        # the whole tree at its largest: what a loader setting costs in RAM, workers included
+        out["tree_rss_peak_mb"] = max(s["rss_mb"] + s["workers_rss_mb"] for s in samples)
         if out.get("workers_alive", 0) >= 0.5:
             # per worker, for comparing settings with different worker counts
             out["cpu_per_worker_pct"] = out["cpu_workers_pct"] / out["workers_alive"]

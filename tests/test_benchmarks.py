@@ -61,3 +61,17 @@ def test_gpu_case_study_refuses_politely_without_a_gpu(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("\n") == 1 and "no CUDA GPU here" in r.stdout and "--allow-cpu" in r.stdout
     assert not list(tmp_path.iterdir())  # nothing trained, nothing written
+
+
+def test_loader_tuning_runs_and_writes_its_report(tmp_path):
+    out = tmp_path / "loader_tuning.md"
+    r = run(["-m", "benchmarks.loader_tuning", "--rounds", "1", "--repeats", "1", "--batches", "2", "--warmup", "1",
+             "--decode-size", "64", "--image-size", "32", "--memory-size", "512", "--out", str(out)], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    for pipeline in ("decode", "in-memory"):
+        assert f"### {pipeline}:" in text
+        assert f"- {pipeline}: automatic " in text
+    labels = [row[0].split(":")[0] for row in table_rows(text) if row[0].startswith(("best", "automatic", "tuned"))]
+    assert labels == ["best of grid", "automatic (loader=auto)", "tuned (dlpipe tune)"] * 2
+    assert text in r.stdout

@@ -125,6 +125,8 @@ BAD_INPUT = [
      "loader.batch_size=1000 with loader.drop_last=true: the training split has"),
     (["dataset=image_folder", "dataset.root={tmp}/nope", "model=cnn"], "does not exist"),
     (["dataset=image_folder", "dataset.root={tmp}/empty", "model=cnn"], "{tmp}/empty"),
+    (["bench.mode=fast"], "bench.mode=fast: allowed: loader, train"),
+    (["task=nope"], "task=nope: allowed: train, bench, tune"),
     (["tracking.uri=http://127.0.0.1:9"], "tracking.uri=http://127.0.0.1:9: 127.0.0.1:9: Connection refused"),
 ]
 

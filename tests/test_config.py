@@ -44,7 +44,7 @@ def group_options(group: str) -> list[str]:
 def test_every_conf_file_belongs_to_a_tested_option():
     """Each YAML in conf/ is either the primary config or a group option that the tests below compose."""
     for path in conf_dir().rglob("*.yaml"):
-        assert path.name == "config.yaml" or path.parent.name in {"dataset", "model", "loader", "optim", "trainer", "tracking", "telemetry", "checkpoint"}, path
+        assert path.name == "config.yaml" or path.parent.name in {"dataset", "model", "loader", "optim", "trainer", "tracking", "telemetry", "checkpoint", "bench"}, path
 
 
 @pytest.mark.parametrize("dataset, model", PAIRS)
@@ -72,6 +72,14 @@ def test_loader_and_tracking_options_build(loader, tracking):
     images, labels = next(iter(train_plan.loader))
     assert images.shape[0] == labels.shape[0] == 8
     assert train_plan.notes == [] and val_plan.notes == []  # shipped presets are consistent as they are
+
+
+@pytest.mark.parametrize("task", ["train", "bench", "tune"])
+def test_bench_options_compose_for_every_task(task):
+    cfg = make(f"task={task}", *SMALL["vision"])
+    _, resolved = resolve(cfg)
+    validate(resolved)
+    assert resolved["task"] == task and resolved["bench"]["batches"] >= 1 and resolved["loader"]["tuned_on"] is None
 
 
 def test_image_folder_option(tmp_path):

@@ -36,6 +36,9 @@ class LoaderConfig:
     """Worker start method: fork, spawn or forkserver; None uses the platform default."""
     val_batch_size: Optional[int] = None
     """Validation batch size; None uses batch_size (no gradients, so larger is usually fine)."""
+    tuned_on: Optional[str] = None
+    """Set by `dlpipe tune` in the file it writes ("cpu_budget=N host=NAME"): the values were measured
+    there, so the lint trusts them on a machine with the same CPU budget and says to re-tune elsewhere."""
 
 
 @dataclass
@@ -131,6 +134,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class BenchConfig:
+    """`dlpipe bench` (measure the configured loader) and `dlpipe tune` (search for a faster one)."""
+
+    warmup_batches: int = 5
+    """Batches fetched before measuring; the first one (worker start-up) is reported as first_batch_s."""
+    batches: int = 50
+    """Batches measured per measurement (across epoch boundaries, as training sees them)."""
+    mode: str = "loader"
+    """loader: iterate the loader alone; train: also run the training step on each batch (tune:
+    the best worker count depends on how many cores the step itself takes)."""
+    repeats: int = 3
+    """tune: measurements per candidate, the median counts; the start candidate's spread is the noise."""
+    min_gain: float = 0.03
+    """tune: a candidate must beat the best by this fraction (or by twice the measured noise) to win."""
+    max_workers: Optional[int] = None
+    """tune: the most workers tried; None = the CPU budget plus half of it (at least 2 more)."""
+    output_dir: str = "tuned"
+    """tune: the written config goes to OUTPUT_DIR/loader/NAME.yaml; use it with
+    `dlpipe --config-dir OUTPUT_DIR loader=NAME`."""
+    name: str = "tuned"
+    """tune: the loader option name the result is written as."""
+
+
+@dataclass
 class DlpipeConfig:
     """The whole job."""
 
@@ -142,6 +169,9 @@ class DlpipeConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    task: str = "train"
+    """train, bench or tune (`dlpipe bench ...` and `dlpipe tune ...` set it)."""
 
 
 def register_schemas() -> None:

@@ -5,7 +5,8 @@ import importlib
 import inspect
 import re
 
-from dlpipe.config.schema import CheckpointConfig, LoaderConfig, TelemetryConfig, TrackingConfig, TrainerConfig
+from dlpipe.config.schema import (BenchConfig, CheckpointConfig, LoaderConfig, TelemetryConfig, TrackingConfig,
+                                  TrainerConfig)
 from dlpipe.errors import ConfigError
 
 _CONTEXTS = ("fork", "spawn", "forkserver")
@@ -137,9 +138,32 @@ def _check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
     return []
 
 
+_TASKS = ("train", "bench", "tune")
+_BENCH_MODES = ("loader", "train")
+
+
+def _check_bench(c: BenchConfig) -> list[str]:
+    p = []
+    if c.warmup_batches < 1:
+        p.append(f"bench.warmup_batches={c.warmup_batches}: must be >= 1 (the first batch is always warm-up)")
+    if c.batches < 1:
+        p.append(f"bench.batches={c.batches}: must be >= 1")
+    if c.mode not in _BENCH_MODES:
+        p.append(f"bench.mode={c.mode}: allowed: {', '.join(_BENCH_MODES)}")
+    if c.repeats < 1:
+        p.append(f"bench.repeats={c.repeats}: must be >= 1")
+    if c.min_gain < 0:
+        p.append(f"bench.min_gain={c.min_gain}: must be >= 0")
+    if c.max_workers is not None and c.max_workers < 0:
+        p.append(f"bench.max_workers={c.max_workers}: must be >= 0 or null")
+    if not c.name or "/" in c.name:
+        p.append(f"bench.name={c.name!r}: must be a file name (no /)")
+    return p
+
+
 _SECTIONS = {"loader": (LoaderConfig, _check_loader), "trainer": (TrainerConfig, _check_trainer),
              "tracking": (TrackingConfig, _check_tracking), "telemetry": (TelemetryConfig, _check_telemetry),
-             "checkpoint": (CheckpointConfig, _check_checkpoint)}
+             "checkpoint": (CheckpointConfig, _check_checkpoint), "bench": (BenchConfig, _check_bench)}
 
 
 def _unknown_keys(section: str, schema, node: dict) -> list[str]:
@@ -157,6 +181,8 @@ def _unknown_keys(section: str, schema, node: dict) -> list[str]:
 def validate(resolved: dict) -> None:
     """Raise ConfigError listing every problem in a resolved config (a plain dict)."""
     problems = []
+    if resolved.get("task", "train") not in _TASKS:
+        problems.append(f"task={resolved['task']}: allowed: {', '.join(_TASKS)}")
     for section, (schema, check) in _SECTIONS.items():
         unknown = _unknown_keys(section, schema, resolved[section])
         problems += unknown or check(schema(**resolved[section]))

@@ -5,6 +5,7 @@ prefetch_factor with 0 workers, persistent workers with none to keep); here they
 and every change is returned as a note for the run log.
 """
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from dlpipe.data.worker_signals import SignalSafeLoader, worker_init_fn
+
+# PyTorch warns on every iterator when num_workers exceeds os.sched_getaffinity; dlpipe.lint says
+# it once, against the real budget (cgroup quota and Slurm included), with the fix.
+warnings.filterwarnings("ignore", message="This DataLoader will create .* worker processes", category=UserWarning)
 
 
 @dataclass(frozen=True)
@@ -99,8 +104,7 @@ def build_loader(
             notes.append(f"loader.multiprocessing_context={multiprocessing_context} ignored: num_workers=0")
             multiprocessing_context = None
     if pin_memory and not cuda:
-        notes.append("loader.pin_memory=true turned off: pinned memory only speeds up copies to a CUDA device")
-        pin_memory = False
+        pin_memory = False  # PyTorch would warn on every epoch; dlpipe.lint says it once, with the fix
 
     # The generator fixes the per-worker base seed (EpochShuffle fixes the order); each worker then seeds
     # torch, `random` and NumPy from base_seed + worker_id itself, so augmentations differ per

@@ -17,6 +17,7 @@ kills it. For that case PyTorch's SIGCHLD handler (which raises wherever the mai
 to stand aside during a stop, and the trainer treats "worker died" from next() as the stop itself.
 """
 
+import atexit
 import multiprocessing
 import os
 import signal
@@ -33,11 +34,21 @@ WAIT_FOR_MAIN_S = 5.0  # the main process may be inside a long C call before its
 _stop_began = None  # shared double: monotonic time of the main process's stop, 0 while training
 
 
+EXITING = -1.0  # the clock's value once this process exits: workers still alive go at once
+
+
 def _shared_clock():
     global _stop_began
     if _stop_began is None:
         _stop_began = multiprocessing.get_context("spawn").RawValue("d", 0.0)
+        # atexit runs last-registered first, so this runs before multiprocessing terminates the
+        # remaining (daemonic) workers, which then must not wait for a stop that never comes
+        atexit.register(_mark_exiting)
     return _stop_began
+
+
+def _mark_exiting() -> None:
+    _shared_clock().value = EXITING
 
 
 def mark_stop_began() -> None:
@@ -53,6 +64,8 @@ def _on_stop_signal(stop_began, signum, frame) -> None:
     deadline = time.monotonic() + WAIT_FOR_MAIN_S
     while True:
         began = stop_began.value
+        if began == EXITING:
+            break
         if began and time.monotonic() - began < SAME_SIGNAL_WINDOW_S:
             return  # the main process is stopping for this signal and will shut us down
         if began or time.monotonic() > deadline:
@@ -99,13 +112,23 @@ def start_helper_processes(context: str | None) -> None:
 
 def _on_child_exit(previous, signum, frame) -> None:
     if _shared_clock().value:
-        return  # stopping: next() reports dead workers, at a point where the trainer can stop cleanly
+        # stopping: next() reports dead workers, at a point where the trainer can stop cleanly;
+        # exiting: multiprocessing is ending the workers itself
+        return
     if callable(previous):
         previous(signum, frame)
 
 
 class SignalSafeLoader(DataLoader):
     """A DataLoader whose workers leave stopping to the main process (see the module docstring)."""
+
+    def shutdown(self) -> None:
+        """Stop persistent workers now (they would otherwise live until the loader is collected,
+        or be terminated at interpreter exit)."""
+        iterator = getattr(self, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        self._iterator = None
 
     def _get_iterator(self):
         iterator = super()._get_iterator()

@@ -1,0 +1,105 @@
+"""Measure what a DataLoader delivers: samples/s after warm-up, first-batch latency, CPU and memory.
+
+Used by `dlpipe bench` (one measurement) and `dlpipe tune` (many). The measured batches run across
+epoch boundaries like training does, so worker start-up at each epoch (without persistent workers)
+is part of the figure. With a `step` (tune's train mode) each batch also goes through the training
+step, because the best worker count depends on how many cores the step itself takes.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def batch_samples(batch) -> int:
+    """Samples in a collated batch: the length of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_samples(batch[0])
+    if isinstance(batch, dict) and batch:
+        return batch_samples(next(iter(batch.values())))
+    return 1
+
+
+class _Batches:
+    """Batches of `loader` across epochs, calling the sampler's set_epoch like the trainer does."""
+
+    def __init__(self, loader):
+        self.loader, self.epoch, self._it = loader, 0, None
+
+    def next(self):
+        while True:
+            if self._it is None:
+                self.epoch += 1
+                if hasattr(self.loader.sampler, "set_epoch"):
+                    self.loader.sampler.set_epoch(self.epoch)
+                self._it = iter(self.loader)
+            try:
+                return next(self._it)
+            except StopIteration:
+                self._it = None
+
+    def close(self) -> None:
+        self._it = None  # shuts non-persistent workers down now, not at garbage collection
+
+
+@dataclass(frozen=True)
+class Measurement:
+    samples_per_s: float
+    first_batch_s: float
+    batches: int
+    samples: int
+    seconds: float
+    resources: dict[str, float]
+
+    def metrics(self) -> dict[str, float]:
+        return {"samples_per_s": self.samples_per_s, "first_batch_s": self.first_batch_s,
+                "bench_seconds": self.seconds, **self.resources}
+
+
+def measure(loader, batches: int, warmup: int, sampler=None, step=None) -> Measurement:
+    """Time `batches` batches after `warmup` (the first batch, worker start-up, counts as warm-up
+    and is reported on its own as first_batch_s)."""
+    source = _Batches(loader)
+    try:
+        started = time.perf_counter()
+        batch = source.next()
+        first = time.perf_counter() - started
+        if step is not None:
+            step(batch)
+        for _ in range(max(warmup - 1, 0)):
+            batch = source.next()
+            if step is not None:
+                step(batch)
+        if sampler is not None:
+            sampler.window()  # the resource window starts with the measured batches
+        samples = 0
+        started = time.perf_counter()
+        for _ in range(batches):
+            batch = source.next()
+            if step is not None:
+                step(batch)
+            samples += batch_samples(batch)
+        seconds = time.perf_counter() - started
+        resources = sampler.window() if sampler is not None else {}
+    finally:
+        source.close()
+    return Measurement(samples / max(seconds, 1e-9), first, batches, samples, seconds, resources)
+
+
+def train_step(model, optimizer, device: torch.device):
+    """The training step of tune's train mode: forward, loss, backward, optimizer step."""
+    from dlpipe.runner import loss_and_correct, to_device
+
+    model.train()
+
+    def step(batch) -> None:
+        inputs, target = to_device(batch, device, non_blocking=True)
+        loss, _ = loss_and_correct(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step

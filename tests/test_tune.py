@@ -1,0 +1,77 @@
+"""The tuner's search and memory guard, on throughput profiles fixed by construction."""
+
+import pytest
+
+from dlpipe.tune import LADDER, Candidate, Search, Trial, memory_guard
+
+START = Candidate(num_workers=2, prefetch_factor=2, persistent_workers=True, pin_memory=False)
+
+
+def search_over(profile, max_workers=6, skip=lambda c: None, **kwargs):
+    """Run the search where `profile(candidate)` gives samples/s; returns (best, evaluated candidates)."""
+    def evaluate(c):
+        why = skip(c)
+        if why:
+            return Trial(c, skipped=why)
+        value = profile(c)
+        return Trial(c, runs=[value, value * 1.005, value * 0.995])
+
+    search = Search(evaluate, min_gain=0.03, max_workers=max_workers, tune_persistent=True, tune_pin=False, **kwargs)
+    return search.run(START), list(search.trials)
+
+
+def in_memory(c):
+    """Items already in memory: every worker only adds pickling and IPC."""
+    return 100_000.0 if c.num_workers == 0 else 14_000.0 + 100 * c.num_workers
+
+
+def cpu_heavy(c):
+    """Decode-bound: scales with workers up to 4 cores, 1 worker is the slowest of all."""
+    if c.num_workers == 0:
+        return 1000.0
+    return {1: 700.0, 2: 1300.0, 3: 1800.0}.get(c.num_workers, 2200.0)
+
+
+def test_in_memory_data_gets_no_workers():
+    best, tried = search_over(in_memory)
+    assert best.num_workers == 0 and len(tried) == 2
+
+
+def test_cpu_heavy_data_gets_workers_and_stops_where_gains_stop():
+    best, tried = search_over(cpu_heavy)
+    assert best.num_workers == 4
+    # far fewer trials than the grid of workers x prefetch x persistent (7 x 2 x 2 here)
+    grid = len([n for n in LADDER if n <= 6]) * 2 * 2
+    assert len(tried) <= grid / 3
+
+
+def test_a_start_without_workers_still_finds_them():
+    start = Candidate(0, None, False, False)
+    search = Search(lambda c: Trial(c, runs=[cpu_heavy(c)] * 3), 0.03, 6, True, False, seed_workers=2)
+    assert search.run(start).num_workers == 4
+
+
+def test_gains_within_the_noise_do_not_count():
+    """A 2% 'improvement' is noise at min_gain 3%: the automatic config stays."""
+    best, _ = search_over(lambda c: 1000.0 * (1.02 if c.num_workers == 3 else 1.0))
+    assert best == START
+
+
+def test_memory_guard_skips_what_does_not_fit_and_never_picks_it():
+    tiny_shm = 64 * 2**20
+    skip = lambda c: memory_guard(c, batch_bytes=12 * 2**20, shm_free=tiny_shm, ram_available=2**40,  # noqa: E731
+                                  worker_rss_bytes=0)
+    best, tried = search_over(cpu_heavy, skip=skip)
+    # 2 workers x 2 x 12 MB = 48 MB is over half of 64 MB: every worker count is skipped
+    assert best.num_workers == 0 and START in tried
+
+
+@pytest.mark.parametrize("workers, prefetch, shm, ram, rss, expected", [
+    (4, 2, 64 * 2**20, 2**40, 0, "in flight, over half the 64 MB free in /dev/shm"),
+    (4, 2, None, 2**30, 300 * 2**20, "workers would take about"),
+    (0, None, 1, 1, 0, None),
+    (2, 2, 2**30, 2**40, 0, None),
+])
+def test_memory_guard(workers, prefetch, shm, ram, rss, expected):
+    why = memory_guard(Candidate(workers, prefetch, False, False), 8 * 2**20, shm, ram, rss)
+    assert (why is None) if expected is None else (expected in why)
