@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5, help="measured rounds of the whole grid (default 5)")
     p.add_argument("--repeats", type=int, default=3, help="the tuner's measurements per candidate (default 3)")
-    p.add_argument("--batches", type=int, default=24, help="batches per measurement, after warm-up (default 24)")
+    p.add_argument("--batches", type=int, default=50, help="batches per measurement, after warm-up (default 50, as dlpipe tune)")
     p.add_argument("--warmup", type=int, default=4, help="warm-up batches per measurement (default 4)")
     p.add_argument("--decode-size", type=int, default=1024, help="images in the decode pipeline (default 1024)")
     p.add_argument("--image-size", type=int, default=160, help="stored JPEG side in pixels (default 160)")
@@ -72,8 +72,8 @@ def pipelines(args):
 
 def automatic(dataset, batch: int) -> Candidate:
     """What loader=auto resolves to here: the resolvers' decisions, then the workers fitted to the
-    data (`dlpipe.build.fit_workers_to_data`: none when a batch is cheap to fetch in-process)."""
-    workers = decisions.workers_for_data(decisions.workers().value, batch_fetch_seconds(dataset, batch), batch).value
+    data (`dlpipe.build.fit_workers_to_data`: none when items are cheap to fetch in-process)."""
+    workers = decisions.workers_for_data(decisions.workers().value, batch_fetch_seconds(dataset, batch) / batch).value
     return Candidate(workers, decisions.prefetch(workers).value,
                      decisions.persistent(workers, EPOCHS, len(dataset)).value, decisions.cuda_available().value)
 

@@ -85,7 +85,7 @@ def build_data_and_model(resolved: dict):
 
 
 def fit_workers_to_data(raw: dict, resolved: dict, train_set) -> str | None:
-    """With automatic worker settings, drop the workers when a batch is cheap to fetch in this
+    """With automatic worker settings, drop the workers when items are cheap to fetch in this
     process (data in memory): updates `resolved["loader"]` and returns the explanation, or None."""
     from dlpipe.config.decisions import workers_for_data
     from dlpipe.data.probe import batch_fetch_seconds
@@ -95,8 +95,8 @@ def fit_workers_to_data(raw: dict, resolved: dict, train_set) -> str | None:
         return None  # the user chose: their value stands (the lint and `dlpipe tune` can question it)
     if loader["num_workers"] == 0 or len(train_set) == 0:
         return None
-    fetch = batch_fetch_seconds(train_set, loader["batch_size"])
-    decision = workers_for_data(loader["num_workers"], fetch, loader["batch_size"])
+    per_item = batch_fetch_seconds(train_set, loader["batch_size"]) / loader["batch_size"]
+    decision = workers_for_data(loader["num_workers"], per_item)
     if decision.value == loader["num_workers"]:
         return None
     loader["num_workers"] = decision.value

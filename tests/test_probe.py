@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from dlpipe.build import fit_workers_to_data
-from dlpipe.config.decisions import CHEAP_BATCH_S
+from dlpipe.config.decisions import CHEAP_ITEM_S
 from dlpipe.data.probe import batch_fetch_seconds
 from faulty_data import SlowDataset
 
@@ -23,16 +23,16 @@ def in_memory():
 
 
 def test_probe_tells_memory_from_slow_items_and_stays_cheap():
-    assert batch_fetch_seconds(in_memory(), 64) < CHEAP_BATCH_S
+    assert batch_fetch_seconds(in_memory(), 64) / 64 < CHEAP_ITEM_S
     started = time.perf_counter()
-    assert batch_fetch_seconds(SlowDataset(size=1000, delay_s=0.005), 64) > 10 * CHEAP_BATCH_S
+    assert batch_fetch_seconds(SlowDataset(size=1000, delay_s=0.005), 64) / 64 > 10 * CHEAP_ITEM_S
     assert time.perf_counter() - started < 0.5  # stopped after ~10 ms, not 2 x 64 x 5 ms
 
 
 def test_automatic_workers_go_for_data_in_memory():
     resolved = resolved_loader()
     why = fit_workers_to_data(AUTO_RAW, resolved, in_memory())
-    assert why.startswith("0 (auto: a batch of 64 takes") and "the CPU budget alone would give 2" in why
+    assert why.startswith("0 (auto: items take") and "the CPU budget alone would give 2" in why
     assert resolved["loader"] == {"num_workers": 0, "prefetch_factor": None, "persistent_workers": False, "batch_size": 64}
 
 

@@ -13,11 +13,12 @@ from dlpipe import hardware
 # persistent_workers thresholds (documented in the README's resolver table).
 TINY_DATASET = 1000  # below this an epoch is a few batches per worker: not worth holding them resident
 PREFETCH_DEFAULT = 2  # PyTorch's own default; RAM held grows linearly with it
-# Below this fetch time per batch in the main process, a worker's hand-over (pickling into shared
-# memory, a queue round-trip, waking the main process) costs more than the fetch it saves: on 2
-# CPUs, 256-row batches of in-memory features took 1.6 ms in the main process and 6 ms through
-# 2 workers (159k against 42k samples/s, `dlpipe tune +recipe=tabular loader=auto`).
-CHEAP_BATCH_S = 0.002
+# Below this fetch time per item in the main process, the data is in memory and a worker's
+# hand-over (pickling into shared memory, a queue round-trip, waking the main process) costs more
+# than the fetch it saves. Measured here: rows of an in-memory tensor take 5-10 us each, JPEG decode
+# items 200-400 us; 256-row batches ran at 182k samples/s without workers and 122k with 2
+# (benchmarks/loader_tuning.py).
+CHEAP_ITEM_S = 50e-6
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,12 @@ def workers() -> Decision:
     return Decision(value, why, b.as_params())
 
 
-def workers_for_data(cpu_workers: int, batch_fetch_s: float | None, batch_size: int) -> Decision:
-    """The CPU-based worker count, or 0 when a batch is so cheap to fetch in this process that
-    workers can only slow it down (data already in memory). `batch_fetch_s` None: not measured."""
-    if cpu_workers and batch_fetch_s is not None and batch_fetch_s < CHEAP_BATCH_S:
-        return Decision(0, f"a batch of {batch_size} takes {batch_fetch_s * 1000:.2f} ms to fetch in this process "
-                           f"(data in memory), under the {CHEAP_BATCH_S * 1000:.0f} ms a worker's hand-over costs; "
+def workers_for_data(cpu_workers: int, item_fetch_s: float | None) -> Decision:
+    """The CPU-based worker count, or 0 when items are so cheap to fetch in this process that
+    workers can only slow it down (data already in memory). `item_fetch_s` None: not measured."""
+    if cpu_workers and item_fetch_s is not None and item_fetch_s < CHEAP_ITEM_S:
+        return Decision(0, f"items take {item_fetch_s * 1e6:.1f} us each to fetch in this process (data in memory), "
+                           f"under the {CHEAP_ITEM_S * 1e6:.0f} us where workers start to pay for their hand-over; "
                            f"the CPU budget alone would give {cpu_workers}")
     return Decision(cpu_workers, "")
 
