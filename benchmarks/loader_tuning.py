@@ -15,12 +15,14 @@ For each pipeline:
    rounds, in a new shuffled order each round (interleaved: drift on a shared machine falls on all
    of them); a config's figure is its median samples/s;
 3. ratios from those medians: automatic / best of grid (goal >= 0.9), tuned / best of grid (goal
-   >= 0.97); and the tuner's cost against the grid's at the same measurements per config as the
+   >= 0.97), and for reference PyTorch's default (num_workers=0) and Lightning's suggested worker
+   count (usable CPUs // devices - 1) / best of grid; and the tuner's cost against the grid's at the same measurements per config as the
    tuner (`--repeats`), from the grid's measured time (goal <= 1/3).
 Goals are printed as met or not; they never change the exit status.
 """
 
 import argparse
+import os
 import platform
 import random
 import statistics
@@ -78,6 +80,12 @@ def automatic(dataset, batch: int) -> Candidate:
                      decisions.persistent(workers, EPOCHS, len(dataset)).value, decisions.cuda_available().value)
 
 
+def lightning_suggestion(pin: bool) -> Candidate:
+    """The worker count Lightning's warning suggests: usable CPUs // devices - 1 (one device here)."""
+    workers = max(len(os.sched_getaffinity(0)) - 1, 0)
+    return Candidate(workers, 2 if workers else None, False, pin)
+
+
 def grid(budget: int, pin: bool) -> list[Candidate]:
     out = [Candidate(0, None, False, pin)]
     for n in (n for n in LADDER if 1 <= n <= budget + 2):
@@ -100,7 +108,7 @@ def run_pipeline(name: str, dataset, batch: int, args, budget: int) -> tuple[lis
     tuner_s = time.perf_counter() - started
 
     configs = grid(budget, auto.pin_memory)
-    for extra in (auto, tuned):
+    for extra in (auto, tuned, lightning_suggestion(auto.pin_memory)):
         if extra not in configs:
             configs.append(extra)
     figures: dict[Candidate, list[float]] = {c: [] for c in configs}
@@ -123,7 +131,10 @@ def run_pipeline(name: str, dataset, batch: int, args, budget: int) -> tuple[lis
         "| config | samples/s median | min-max | / best of grid |",
         "|---|---|---|---|",
     ]
-    for label, c in (("best of grid", best), ("automatic (loader=auto)", auto), ("tuned (dlpipe tune)", tuned)):
+    pytorch_default = Candidate(0, None, False, False)
+    lightning = lightning_suggestion(auto.pin_memory)
+    for label, c in (("best of grid", best), ("automatic (loader=auto)", auto), ("tuned (dlpipe tune)", tuned),
+                     ("PyTorch default", pytorch_default), ("Lightning's suggestion", lightning)):
         v = figures[c]
         lines.append(f"| {label}: {c.label()} | {median[c]:.1f} | {min(v):.1f}-{max(v):.1f} | {median[c] / median[best]:.3f} |")
     lines += [

@@ -91,13 +91,13 @@ def measure(loader, batches: int, warmup: int, sampler=None, step=None) -> Measu
 
 def train_step(model, optimizer, device: torch.device):
     """The training step of tune's train mode: forward, loss, backward, optimizer step."""
-    from dlpipe.runner import loss_and_correct, to_device
+    from dlpipe.runner import to_device, training_loss
 
     model.train()
 
     def step(batch) -> None:
         inputs, target = to_device(batch, device, non_blocking=True)
-        loss, _ = loss_and_correct(model(inputs), target)
+        loss = training_loss(model(inputs), target)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

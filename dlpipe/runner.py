@@ -70,13 +70,21 @@ class TrainSettings:
     cuda_sync_every: int = 25
 
 
+def _flat(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.dim() == 3:  # [B, T, V] logits are token-level
+        return logits.reshape(-1, logits.size(-1)), target.reshape(-1)
+    return logits, target
+
+
+def training_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy; no accuracy: its argmax would cost every step for a number nobody logs."""
+    return F.cross_entropy(*_flat(logits, target))
+
+
 def loss_and_correct(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy and the count of correct predictions; [B, T, V] logits are token-level."""
-    if logits.dim() == 3:
-        logits, target = logits.reshape(-1, logits.size(-1)), target.reshape(-1)
-    loss = F.cross_entropy(logits, target)
-    correct = (logits.argmax(dim=-1) == target).sum()
-    return loss, correct
+    """Mean cross-entropy and the count of correct predictions (validation)."""
+    logits, target = _flat(logits, target)
+    return F.cross_entropy(logits, target), (logits.argmax(dim=-1) == target).sum()
 
 
 def to_device(batch, device: torch.device, non_blocking: bool):
@@ -258,11 +266,11 @@ class Trainer:
                 # samples a full window holds; from the first micro-batch when a sampler makes batches
                 nominal = s.accumulate * (batch_size or n)
             with self._autocast():
-                logits = self.model(inputs)
-                loss, _ = loss_and_correct(logits, target)
+                loss = training_loss(self.model(inputs), target)
             self.scaler.scale(loss * (n / nominal)).backward()
-            loss_sum += loss.detach() * n
-            self._log_loss += loss.detach() * n
+            detached = loss.detach()
+            loss_sum.add_(detached, alpha=n)  # in place, one op: this runs every micro-step
+            self._log_loss.add_(detached, alpha=n)
             self._log_samples += n
             seen += n
             window_micro += 1
@@ -278,7 +286,8 @@ class Trainer:
                 self.profiler.step()
             clock.stepped(n)
             done += 1
-            progress.update(done, *clock.rates())
+            if progress.enabled:
+                progress.update(done, *clock.rates())
             if self._done():
                 break
             # Not on the epoch's last batch: then the epoch finishes and the stop comes at the next one.

@@ -72,6 +72,29 @@ def test_loader_tuning_runs_and_writes_its_report(tmp_path):
     for pipeline in ("decode", "in-memory"):
         assert f"### {pipeline}:" in text
         assert f"- {pipeline}: automatic " in text
-    labels = [row[0].split(":")[0] for row in table_rows(text) if row[0].startswith(("best", "automatic", "tuned"))]
-    assert labels == ["best of grid", "automatic (loader=auto)", "tuned (dlpipe tune)"] * 2
+    labels = [row[0].split(":")[0] for row in table_rows(text)
+              if row[0].startswith(("best", "automatic", "tuned", "PyTorch", "Lightning"))]
+    assert labels == ["best of grid", "automatic (loader=auto)", "tuned (dlpipe tune)", "PyTorch default",
+                      "Lightning's suggestion"] * 2
     assert text in r.stdout
+
+
+def test_runner_overhead_runs_and_writes_its_table(tmp_path):
+    out = tmp_path / "runner.md"
+    r = run(["-m", "benchmarks.runner_overhead", "--rounds", "1", "--steps", "3", "--models", "mlp,cnn",
+             "--accumulate", "1,2", "--out", str(out)], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    rows = table_rows(out.read_text())
+    assert rows[0][:5] == ["model", "accumulate", "A plain loop steps/s", "B dlpipe steps/s", "B/A"]
+    assert [(row[0], row[1]) for row in rows[2:]] == [("mlp", "1"), ("mlp", "2"), ("cnn", "1"), ("cnn", "2")]
+    assert out.read_text().count("(goal >= 0.97:") == 4
+
+
+def test_startup_runs_and_reports_what_printing_a_config_imports(tmp_path):
+    out = tmp_path / "startup.md"
+    r = run(["-m", "benchmarks.startup", "--rounds", "1", "--out", str(out)], cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = {row[0]: row for row in table_rows(out.read_text())[2:]}
+    assert len(rows) == 7
+    assert rows["dlpipe --cfg job"][3] == "torch=False mlflow=False"
+    assert rows["dlpipe --help"][3] == "torch=False mlflow=False"

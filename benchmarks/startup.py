@@ -1,0 +1,152 @@
+"""Start-up cost: whole-process times of the dlpipe command against a minimal Hydra app and a
+plain PyTorch script.
+
+    python -m benchmarks.startup --rounds 5 [--out startup.md]
+
+Each case is a fresh `python` process, timed from launch to exit; cases run in a rotating order
+each round (interleaved), medians and min-max reported:
+- `dlpipe --help` and `dlpipe --cfg job` against the same two commands of a minimal Hydra app
+  (one `@hydra.main` function and a two-key config): what dlpipe adds to printing a config. Each
+  dlpipe process also reports whether torch or mlflow was imported (printing a config must not);
+- to the first optimizer step: `dlpipe +recipe=tabular` stopped after one optimizer step, without
+  and with tracking (SQLite), against a plain script that imports torch, builds the same MLP and
+  data, and takes one step. Both then exit, so these include interpreter teardown.
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+MINIMAL_APP = '''
+import hydra
+from omegaconf import OmegaConf
+
+@hydra.main(config_path=None, config_name="cfg", version_base="1.3")
+def main(cfg):
+    print(OmegaConf.to_yaml(cfg))
+
+if __name__ == "__main__":
+    from hydra.core.config_store import ConfigStore
+    ConfigStore.instance().store(name="cfg", node={"lr": 0.001, "batch_size": 64})
+    main()
+'''
+
+PLAIN_STEP = '''
+import torch
+import torch.nn.functional as F
+from dlpipe.data.tabular import TabularDataset
+from dlpipe.models.mlp import MLP
+data = TabularDataset(size=8192)
+loader = torch.utils.data.DataLoader(data, batch_size=256, shuffle=True)
+model = MLP(in_features=32, num_classes=4)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x, y = next(iter(loader))
+F.cross_entropy(model(x), y).backward()
+opt.step()
+'''
+
+# Imported modules at exit, for the config-printing cases.
+PROBE = ("import atexit, sys; atexit.register(lambda: print('IMPORTED torch=%s mlflow=%s' % "
+         "('torch' in sys.modules, 'mlflow' in sys.modules), file=sys.stderr)); "
+         "sys.argv = ['dlpipe'] + sys.argv[1:]; from dlpipe.cli import main; main()")
+
+ONE_STEP = ["+recipe=tabular", "trainer.max_steps=1", "trainer.val_fraction=0", "checkpoint.enabled=false",
+            "trainer.progress=false"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
+    p.add_argument("--out", type=Path, help="also write the markdown table to this file")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds={args.rounds}: must be >= 1")
+    return args
+
+
+def cases(tmp: Path) -> dict[str, list[str]]:
+    app = tmp / "minimal_app.py"
+    app.write_text(MINIMAL_APP)
+    plain = tmp / "plain_step.py"
+    plain.write_text(PLAIN_STEP)
+    py = sys.executable
+    return {
+        "minimal Hydra app --help": [py, str(app), "--help"],
+        "dlpipe --help": [py, "-c", PROBE, "--help"],
+        "minimal Hydra app --cfg job": [py, str(app), "--cfg", "job"],
+        "dlpipe --cfg job": [py, "-c", PROBE, "--cfg", "job"],
+        "plain script: first optimizer step": [py, str(plain)],
+        "dlpipe tracking=none: first optimizer step": [py, "-m", "dlpipe", *ONE_STEP, "tracking=none"],
+        "dlpipe with MLflow (SQLite): first optimizer step": [py, "-m", "dlpipe", *ONE_STEP,
+                                                             f"tracking.uri=sqlite:///{tmp / 'm.db'}"],
+    }
+
+
+def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
+    start = time.perf_counter()
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+    elapsed = time.perf_counter() - start
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    imported = next((line for line in r.stderr.splitlines() if line.startswith("IMPORTED ")), "")
+    return elapsed, imported.removeprefix("IMPORTED ")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_"))}
+    env.update(PYTHONPATH=str(REPO), MLFLOW_DISABLE_TELEMETRY="true", DO_NOT_TRACK="true", HYDRA_FULL_ERROR="0")
+    with tempfile.TemporaryDirectory(prefix="dlpipe-startup-") as tmp:
+        tmp = Path(tmp)
+        todo = cases(tmp)
+        for cmd in todo.values():
+            timed(cmd, tmp, env)  # warm-up: page cache, the SQLite store's creation
+        times = {name: [] for name in todo}
+        imports = {}
+        names = list(todo)
+        for i in range(args.rounds):
+            shift = i % len(names)
+            for name in names[shift:] + names[:shift]:
+                seconds, imported = timed(todo[name], tmp, env)
+                times[name].append(seconds)
+                if imported:
+                    imports[name] = imported
+            print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    rows = [f"| {name} | {statistics.median(v):.2f} | {min(v):.2f}-{max(v):.2f} | {imports.get(name, '')} |"
+            for name, v in times.items()]
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(times[a]) / statistics.median(times[b])
+
+    lines = [
+        "# start-up",
+        "",
+        f"Whole-process wall time, {args.rounds} interleaved rounds after one warm-up; {os.cpu_count()} CPUs.",
+        "",
+        "| command | seconds median | min-max | imported at exit |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+        f"- dlpipe --help / minimal Hydra app: {ratio('dlpipe --help', 'minimal Hydra app --help'):.2f}x",
+        f"- dlpipe --cfg job / minimal Hydra app: {ratio('dlpipe --cfg job', 'minimal Hydra app --cfg job'):.2f}x",
+        f"- first optimizer step, dlpipe tracking=none / plain script: "
+        f"{ratio('dlpipe tracking=none: first optimizer step', 'plain script: first optimizer step'):.2f}x",
+        f"- first optimizer step, dlpipe with MLflow / plain script: "
+        f"{ratio('dlpipe with MLflow (SQLite): first optimizer step', 'plain script: first optimizer step'):.2f}x",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
