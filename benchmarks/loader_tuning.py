@@ -35,7 +35,7 @@ if not __package__:  # run as `python benchmarks/loader_tuning.py` from a checko
 
 from dlpipe import hardware  # noqa: E402
 from dlpipe.config import decisions  # noqa: E402
-from dlpipe.data.probe import batch_fetch_seconds  # noqa: E402
+from dlpipe.data.probe import item_fetch_seconds  # noqa: E402
 from dlpipe.tune import LADDER, Candidate, Search, measure_candidate  # noqa: E402
 
 GOALS = {"auto": 0.9, "tuned": 0.97, "cost": 1 / 3}
@@ -75,7 +75,7 @@ def pipelines(args):
 def automatic(dataset, batch: int) -> Candidate:
     """What loader=auto resolves to here: the resolvers' decisions, then the workers fitted to the
     data (`dlpipe.build.fit_workers_to_data`: none when items are cheap to fetch in-process)."""
-    workers = decisions.workers_for_data(decisions.workers().value, batch_fetch_seconds(dataset, batch) / batch).value
+    workers = decisions.workers_for_data(decisions.workers().value, item_fetch_seconds(dataset, batch)).value
     return Candidate(workers, decisions.prefetch(workers).value,
                      decisions.persistent(workers, EPOCHS, len(dataset)).value, decisions.cuda_available().value)
 

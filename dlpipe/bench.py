@@ -6,42 +6,29 @@ child MLflow run and the sweep's parent gets the comparison table (the classic
 """
 
 import logging
-import os
 
 from dlpipe import hardware
-from dlpipe.config.decisions import explain
-from dlpipe.config.validation import validate
-from dlpipe.job import JobContext, check_single_process, check_tracking_reachable, flatten, gpu_for, open_run
+from dlpipe.job import JobContext, fit_workers, flatten, gpu_for, open_run, preflight, run_tags, warn_about_loaders
 from dlpipe.redact import redact_tree
 
 log = logging.getLogger("dlpipe")
 
 
-def prepare(ctx: JobContext, resolved: dict, raw: dict, with_model: bool):
+def prepare(resolved: dict, raw: dict, with_model: bool):
     """The checks and objects bench and tune share: (train split, loader plan, model, optimizer, budget)."""
-    from dlpipe.build import build_datasets, build_loaders, build_model, fit_workers_to_data
-    from dlpipe.lint import lint_job
+    from dlpipe.build import build_datasets, build_loaders, build_model
     from dlpipe.rng import seed_everything
 
-    check_single_process(os.environ)
-    validate(resolved)
-    check_tracking_reachable(resolved["tracking"])
-    for key, why in explain(raw, resolved).items():
-        log.info("%s = %s", key, why)
+    decided = preflight(raw, resolved)
     seed_everything(resolved["trainer"]["seed"], resolved["trainer"]["deterministic"])
     train_set, _, dataset = build_datasets(resolved)
-    fitted = fit_workers_to_data(raw, resolved, train_set)
-    if fitted:
-        log.info("loader.num_workers = %s", fitted)
+    fit_workers(raw, resolved, train_set, decided)
     model = optimizer = None
     if with_model:
         model, optimizer = build_model(resolved, dataset)
     plan, _ = build_loaders(resolved, train_set, None)
-    for note in plan.notes:
-        log.warning(note)
     budget = hardware.cpu_budget()
-    for line in lint_job(resolved, len(train_set), plan.batch_bytes, budget.budget):
-        log.warning("lint: %s", line)
+    warn_about_loaders(resolved, train_set, (plan,), budget.budget)
     return train_set, plan, model, optimizer, budget
 
 
@@ -74,7 +61,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     from dlpipe.telemetry import ResourceSampler
 
     bench = resolved["bench"]
-    train_set, plan, model, optimizer, budget = prepare(ctx, resolved, raw, with_model=bench["mode"] == "train")
+    train_set, plan, model, optimizer, budget = prepare(resolved, raw, with_model=bench["mode"] == "train")
     step = step_for(resolved, model, optimizer)
     lc = resolved["loader"]
     log.info("bench: %d batches of %d after %d warm-up, num_workers=%d prefetch_factor=%s persistent_workers=%s "
@@ -87,8 +74,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     params["loader.batch_bytes_est"] = str(plan.batch_bytes)
     sampler = ResourceSampler(resolved["telemetry"]["sample_interval_s"], budget.budget,
                               gpu_for(resolved["trainer"]["device"]))
-    tags = {"dlpipe.task": "bench", "dlpipe.recipe": ctx.recipe or "none",
-            "dlpipe.overrides": " ".join(ctx.overrides) or "none", "dlpipe.output_dir": str(ctx.output_dir)}
+    tags = run_tags(ctx, **{"dlpipe.task": "bench"})
     with open_run(ctx, resolved["tracking"], tags) as tracked:
         tracked.log_params(params)
         sampler.start()

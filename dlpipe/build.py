@@ -88,15 +88,14 @@ def fit_workers_to_data(raw: dict, resolved: dict, train_set) -> str | None:
     """With automatic worker settings, drop the workers when items are cheap to fetch in this
     process (data in memory): updates `resolved["loader"]` and returns the explanation, or None."""
     from dlpipe.config.decisions import workers_for_data
-    from dlpipe.data.probe import batch_fetch_seconds
+    from dlpipe.data.probe import item_fetch_seconds
 
     loader = resolved["loader"]
     if not (isinstance(raw["loader"]["num_workers"], str) and raw["loader"]["num_workers"].startswith("${auto_workers:")):
         return None  # the user chose: their value stands (the lint and `dlpipe tune` can question it)
     if loader["num_workers"] == 0 or len(train_set) == 0:
         return None
-    per_item = batch_fetch_seconds(train_set, loader["batch_size"]) / loader["batch_size"]
-    decision = workers_for_data(loader["num_workers"], per_item)
+    decision = workers_for_data(loader["num_workers"], item_fetch_seconds(train_set, loader["batch_size"]))
     if decision.value == loader["num_workers"]:
         return None
     loader["num_workers"] = decision.value

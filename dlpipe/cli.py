@@ -140,6 +140,7 @@ def main() -> None:
         app()  # the user asked for Hydra's full tracebacks
         return
     # Hydra prints its own errors over several lines; made to raise them, we print one line each.
+    previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         app()
@@ -153,7 +154,10 @@ def main() -> None:
         print(f"dlpipe: error: {line}", file=sys.stderr)
         sys.exit(2)
     finally:
-        del os.environ["HYDRA_FULL_ERROR"]
+        if previous is None:
+            del os.environ["HYDRA_FULL_ERROR"]
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
 
 
 if __name__ == "__main__":

@@ -139,6 +139,51 @@ def check_tracking_reachable(tracking: dict) -> None:
                           "point tracking.uri at a running one, or use tracking=none")
 
 
+def preflight(raw: dict, resolved: dict) -> dict[str, str]:
+    """The checks every task (train, bench, tune) runs before building anything, then the logged
+    reasons for each automatic value (returned, for the run's `auto.*` params)."""
+    check_single_process(os.environ)
+    validate(resolved)
+    check_tracking_reachable(resolved["tracking"])
+    decided = explain(raw, resolved)
+    for key, why in decided.items():
+        log.info("%s = %s", key, why)
+    return decided
+
+
+def fit_workers(raw: dict, resolved: dict, train_set, decided: dict[str, str]) -> None:
+    """Automatic workers fitted to the data (build.fit_workers_to_data), logged and recorded."""
+    from dlpipe.build import fit_workers_to_data
+
+    fitted = fit_workers_to_data(raw, resolved, train_set)
+    if fitted:
+        decided["loader.num_workers"] = fitted
+        log.info("loader.num_workers = %s", fitted)
+
+
+def warn_about_loaders(resolved: dict, train_set, plans, cpu_budget: int) -> None:
+    """Each loader's build notes, then the pre-flight lint of the training loader."""
+    from dlpipe.lint import lint_job
+
+    for plan in plans:
+        for note in plan.notes if plan else ():
+            log.warning(note)
+    for line in lint_job(resolved, len(train_set), plans[0].batch_bytes, cpu_budget):
+        log.warning("lint: %s", line)
+
+
+def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
+    """Tags every dlpipe run carries (overrides redacted: they may hold a tracking password)."""
+    return {
+        "dlpipe.recipe": ctx.recipe or "none",
+        "dlpipe.overrides": redact_text(" ".join(ctx.overrides)) or "none",
+        "dlpipe.host": socket.gethostname(),
+        "dlpipe.output_dir": str(ctx.output_dir),
+        "mlflow.source.name": "dlpipe",
+        **extra,
+    }
+
+
 def gpu_for(device: str) -> int | str | None:
     """The NVML device to sample for a torch device string (None off CUDA)."""
     from dlpipe.gpu import nvml_index
@@ -187,20 +232,14 @@ def record_stop(trainer, reason: str, store, loader, tracked, config_flat: dict)
 
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     """Train one job; returns the last validation loss (for sweepers that minimise it)."""
-    check_single_process(os.environ)
-    validate(resolved)
-    check_tracking_reachable(resolved["tracking"])
-    decided = explain(raw, resolved)
-    for key, why in decided.items():
-        log.info("%s = %s", key, why)
+    decided = preflight(raw, resolved)
 
     import torch
 
-    from dlpipe.build import build_data_and_model, build_loaders, fit_workers_to_data
+    from dlpipe.build import build_data_and_model, build_loaders
     from dlpipe.checkpoint import CheckpointStore
     from dlpipe.data.faults import explain_loader_failure
     from dlpipe.data.worker_signals import start_helper_processes
-    from dlpipe.lint import lint_job
     from dlpipe.resume import check_model_fits, config_changes, find_start
     from dlpipe.console import summary_table
     from dlpipe.profiling import AllocationSnapshot, StepProfiler
@@ -213,18 +252,10 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     trainer_cfg, telemetry = resolved["trainer"], resolved["telemetry"]
     seed_everything(trainer_cfg["seed"], trainer_cfg["deterministic"])
     train_set, val_set, model, optimizer = build_data_and_model(resolved)
-    fitted = fit_workers_to_data(raw, resolved, train_set)
-    if fitted:
-        decided["loader.num_workers"] = fitted
-        log.info("loader.num_workers = %s", fitted)
+    fit_workers(raw, resolved, train_set, decided)
     train_plan, val_plan = build_loaders(resolved, train_set, val_set)
-    for plan in (train_plan, val_plan):
-        for note in plan.notes if plan else ():
-            log.warning(note)
-
     budget = hardware.cpu_budget()
-    for line in lint_job(resolved, len(train_set), train_plan.batch_bytes, budget.budget):
-        log.warning("lint: %s", line)
+    warn_about_loaders(resolved, train_set, (train_plan, val_plan), budget.budget)
 
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
     shown = redact_tree(resolved)  # what is recorded anywhere; `resolved` itself builds the job
@@ -238,13 +269,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     params["loader.batch_bytes_est"] = str(train_plan.batch_bytes)
     params["loader.inflight_bytes_est"] = str(train_plan.inflight_bytes)
     params["model.parameters"] = str(sum(p.numel() for p in model.parameters()))
-    tags = {
-        "dlpipe.recipe": ctx.recipe or "none",
-        "dlpipe.overrides": redact_text(" ".join(ctx.overrides)) or "none",
-        "dlpipe.host": socket.gethostname(),
-        "dlpipe.output_dir": str(ctx.output_dir),
-        "mlflow.source.name": "dlpipe",
-    }
+    tags = run_tags(ctx)
     commit = _git_commit()
     if commit:
         tags["mlflow.source.git.commit"] = commit

@@ -23,12 +23,13 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class StopTraining(Exception):
-    """Training stopped because stop_requested was set (by a signal): at an optimizer step, or
-    (at_step=False) mid-accumulation because the loader's workers died of the same signal."""
+    """Training stopped because stop_requested was set (by a signal): at an optimizer step
+    (`interrupted_at` says after which batch), or mid-accumulation when the loader's workers died
+    of the same signal (`interrupted_at` stays None: there is no step to checkpoint)."""
 
-    def __init__(self, reason: str, at_step: bool = True):
+    def __init__(self, reason: str):
         super().__init__(reason)
-        self.reason, self.at_step = reason, at_step
+        self.reason = reason
 
 
 def workers_died(error: RuntimeError) -> bool:
@@ -251,7 +252,7 @@ class Trainer:
                 # worker was still starting, before it could shield itself: stop here if this is
                 # an optimizer step boundary, else keep the last epoch's checkpoint as the resume point.
                 if window_micro:
-                    raise StopTraining(self.stop_requested, at_step=False) from None
+                    raise StopTraining(self.stop_requested) from None
                 self.interrupted_at = done
                 break
             clock.waited()

@@ -110,8 +110,9 @@ class MlflowRun:
             log.warning("%s holds writes for MLflow run %s, not this one: left for `dlpipe sync`", path, left.run_id)
             return
         left.entries = [e for e in left.entries if "end" not in e]  # this run goes on: no old end
+        counts = left.counts()  # before sending: send() drops what it delivers
         left.send(self.client)
-        log.info("sent %s kept by the previous attempt", _describe(left.counts()))
+        log.info("sent %s kept by the previous attempt", _describe(counts))
 
     def _reopen(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException

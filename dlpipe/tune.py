@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from dlpipe import hardware
-from dlpipe.job import JobContext, flatten, gpu_for, open_run
+from dlpipe.job import JobContext, flatten, gpu_for, open_run, run_tags
 from dlpipe.redact import redact_tree
 
 log = logging.getLogger("dlpipe")
@@ -217,7 +217,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     from dlpipe.tracking import MlflowRun
 
     bench, lc = resolved["bench"], resolved["loader"]
-    train_set, plan, model, optimizer, budget = prepare(ctx, resolved, raw, with_model=bench["mode"] == "train")
+    train_set, plan, model, optimizer, budget = prepare(resolved, raw, with_model=bench["mode"] == "train")
     step = step_for(resolved, model, optimizer)
     cuda = resolved["trainer"]["device"].startswith("cuda")
     loader_settings = {k: v for k, v in lc.items() if k not in ("val_batch_size", "tuned_on")}
@@ -228,8 +228,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     sampler = ResourceSampler(resolved["telemetry"]["sample_interval_s"], budget.budget,
                               gpu_for(resolved["trainer"]["device"]))
     tracking = resolved["tracking"]
-    tags = {"dlpipe.task": "tune", "dlpipe.recipe": ctx.recipe or "none",
-            "dlpipe.overrides": " ".join(ctx.overrides) or "none", "dlpipe.output_dir": str(ctx.output_dir)}
+    tags = run_tags(ctx, **{"dlpipe.task": "tune"})
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
     worker_rss = [0.0]  # the largest per-worker RSS measured so far, for the memory guard
 
@@ -270,6 +269,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
         seconds = time.perf_counter() - started
         trials = list(search.trials.values())
         best_trial, start_trial = search.trials[best], search.trials[start]
+        speedup = best_trial.samples_per_s / max(start_trial.samples_per_s, 1e-9)
         head = header(resolved, budget, trials, best_trial, start_trial, seconds)
         out = Path(bench["output_dir"]) / "loader" / f"{bench['name']}.yaml"
         written = {**lc, "tuned_on": f"cpu_budget={budget.budget} host={socket.gethostname()}"}
@@ -281,11 +281,11 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
         parent.log_artifact(copy, "tune")
         parent.log_metrics({"best_samples_per_s": best_trial.samples_per_s,
                             "start_samples_per_s": start_trial.samples_per_s,
-                            "speedup": best_trial.samples_per_s / max(start_trial.samples_per_s, 1e-9),
+                            "speedup": speedup,
                             "tune_seconds": seconds, "trials": float(len(trials))}, step=0)
         parent.set_tags({"dlpipe.tuned": best.label(), "dlpipe.tuned_threshold": f"{search.threshold:.3f}"})
     print(table, flush=True)
-    print(f"tuned: {best.label()}: {best_trial.samples_per_s:.1f} samples/s, {best_trial.samples_per_s / max(start_trial.samples_per_s, 1e-9):.2f}x "
+    print(f"tuned: {best.label()}: {best_trial.samples_per_s:.1f} samples/s, {speedup:.2f}x "
           f"the automatic config, {len(trials)} trials in {seconds:.0f} s", flush=True)
     print(f"use it: dlpipe --config-dir {bench['output_dir']} loader={bench['name']} ...", flush=True)
     return best_trial.samples_per_s

@@ -1,4 +1,4 @@
-"""How long a batch takes to fetch in the main process: the one number that says whether workers
+"""How long an item takes to fetch in the main process: the one number that says whether workers
 can pay off at all (they cannot for data that is already in memory)."""
 
 import time
@@ -6,8 +6,8 @@ import time
 from torch.utils.data import default_collate
 
 
-def batch_fetch_seconds(dataset, batch_size: int, batches: int = 2, enough_s: float = 0.01) -> float:
-    """Mean seconds to fetch and collate one batch of `dataset` here, from items spread over it.
+def item_fetch_seconds(dataset, batch_size: int, batches: int = 2, enough_s: float = 0.01) -> float:
+    """Mean seconds per item to fetch and collate batches of `dataset` here, from items spread over it.
 
     Stops early once `enough_s` is spent (the answer is then "expensive" anyway), so a slow
     dataset costs about that much, a fast one a few milliseconds.
@@ -26,5 +26,4 @@ def batch_fetch_seconds(dataset, batch_size: int, batches: int = 2, enough_s: fl
             break
     if items:
         default_collate(items)
-    fetched = k + 1
-    return (time.perf_counter() - started) * batch_size / fetched
+    return (time.perf_counter() - started) / (k + 1)
