@@ -19,7 +19,7 @@ def prepare(resolved: dict, raw: dict, with_model: bool):
     from dlpipe.build import build_datasets, build_loaders, build_model
     from dlpipe.rng import seed_everything
 
-    decided = preflight(raw, resolved)
+    decided = preflight(raw, resolved, resolved.get("task", "bench"))
     seed_everything(resolved["trainer"]["seed"], resolved["trainer"]["deterministic"])
     train_set, _, dataset = build_datasets(resolved)
     fit_workers(raw, resolved, train_set, decided)

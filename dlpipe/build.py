@@ -107,7 +107,9 @@ def fit_workers_to_data(raw: dict, resolved: dict, train_set) -> str | None:
     return f"{decision.value} (auto: {decision.reason})"
 
 
-def build_loaders(resolved: dict, train_set, val_set):
+def build_loaders(resolved: dict, train_set, val_set, rank: int = 0, world: int = 1):
+    """Training and validation loaders (the validation one None without a split); with world > 1,
+    each loads this rank's share and loader.batch_size is per rank."""
     from dlpipe.data.loader import build_loader
 
     lc = dict(resolved["loader"])
@@ -115,16 +117,16 @@ def build_loaders(resolved: dict, train_set, val_set):
     lc.pop("tuned_on")  # provenance for the lint, not a DataLoader setting
     cuda = resolved["trainer"]["device"].startswith("cuda")
     seed = resolved["trainer"]["seed"]
-    train = build_loader(train_set, **lc, seed=seed, cuda=cuda, role="train")
+    train = build_loader(train_set, **lc, seed=seed, cuda=cuda, role="train", rank=rank, world=world)
     if len(train.loader) == 0:
         raise ConfigError([
             f"loader.batch_size={lc['batch_size']} with loader.drop_last={str(lc['drop_last']).lower()}: the training "
-            f"split has {len(train_set)} samples, so there is no batch to train on; lower batch_size or set drop_last=false"
+            f"split has {len(train.loader.sampler) if world > 1 else len(train_set)} samples{' per rank' if world > 1 else ''}, so there is no batch to train on; lower batch_size or set drop_last=false"
         ])
     val = None
     if val_set is not None:
         # Validation never shuffles or drops samples: every run scores the same items. Its workers
         # live only while it runs: persistent ones would sit idle, holding memory, through training.
         lc.update(batch_size=val_batch, shuffle=False, drop_last=False, persistent_workers=False)
-        val = build_loader(val_set, **lc, seed=seed, cuda=cuda, role="val")
+        val = build_loader(val_set, **lc, seed=seed, cuda=cuda, role="val", rank=rank, world=world)
     return train, val

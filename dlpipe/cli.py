@@ -19,7 +19,9 @@ from dlpipe.config.paths import conf_dir
 from dlpipe.config.recipes import register_recipes
 from dlpipe.config.resolvers import register_resolvers
 from dlpipe.config.schema import register_schemas
+from dlpipe.distributed import export_submitit_env, ranks_from_env
 from dlpipe.errors import ConfigError, DlpipeError, user_message
+from dlpipe.requeue import requeue_through_submitit
 
 log = logging.getLogger("dlpipe")
 
@@ -89,6 +91,8 @@ def _job(cfg: DictConfig):
             recipe=hc.runtime.choices.get("recipe"),
             multirun=multirun,
         )
+        # Before resolving: ${auto_workers:} divides the CPUs by the ranks on this node.
+        export_submitit_env()
         task = cfg.get("task", "train")
         if task == "bench":
             from dlpipe import bench as task_module
@@ -101,12 +105,17 @@ def _job(cfg: DictConfig):
         print("dlpipe: interrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(130)
     except Terminated as e:
+        # Under submitit, its signal (timeout or preemption) means "requeue me": the checkpoint is
+        # written, so let submitit resubmit this job, which resumes it in the same output dir and run.
+        requeue_through_submitit(str(e))
         print(f"dlpipe: terminated ({e})", file=sys.stderr)
         sys.exit(143)  # 128 + SIGTERM, what schedulers expect of a job that was told to stop
     except DlpipeError as e:
         lines = user_message(e)
+        ranks = ranks_from_env()
+        where = f"rank {ranks.rank}: " if ranks.distributed else ""  # whose error, among N ranks' output
         for line in lines:
-            print(f"dlpipe: error: {line}", file=sys.stderr)
+            print(f"dlpipe: error: {where}{line}", file=sys.stderr)
         if multirun:
             # Hydra records the job as failed, runs the others and exits 1; a compact exception
             # is reported as its message, without a traceback.
@@ -125,6 +134,10 @@ def main() -> None:
         # `dlpipe bench ARGS` is `dlpipe ARGS task=bench`: the same Hydra app, so recipes,
         # overrides and --multirun work unchanged (last, after any --config-dir option)
         sys.argv = [sys.argv[0], *sys.argv[2:], f"task={sys.argv[1]}"]
+    if ranks_from_env().rank > 0 and "SUBMITIT_EXECUTOR" not in os.environ:
+        # A torchrun rank other than 0 writes nothing of its own: no run directory, Hydra record or
+        # log file (its output directory comes from rank 0; see job.run). Last, so they win.
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
     import hydra
 
     # Registered before Hydra starts, so they are pickled with the task for launcher jobs.

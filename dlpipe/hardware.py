@@ -38,8 +38,12 @@ class CpuBudget:
     """SLURM_CPUS_PER_TASK when set to an integer >= 1."""
     local_world_size: int
     """Ranks sharing this node's CPUs (torchrun's LOCAL_WORLD_SIZE), default 1."""
+    rank_per_slurm_task: bool
+    """Each rank is a Slurm task of its own (srun with one task per GPU, as submitit launches them):
+    SLURM_CPUS_PER_TASK is then already per rank and only the node-wide limits are divided."""
     budget: int
-    """Per-rank CPUs: max(1, min(affinity, ceil(cgroup_cpus), slurm_cpus) // local_world_size)."""
+    """Per-rank CPUs: max(1, min(affinity, ceil(cgroup_cpus), slurm_cpus) // local_world_size); with
+    a Slurm task per rank, max(1, min(affinity, slurm_cpus, ceil(cgroup_cpus) // local_world_size))."""
 
     def as_params(self) -> dict[str, str]:
         """Flat str->str mapping for MLflow params; absent limits read "none", never 0."""
@@ -172,16 +176,27 @@ def cpu_budget(
     cgroup_cpus, cgroup_source = limit if limit is not None else (None, None)
     slurm_cpus = _positive_int(env.get("SLURM_CPUS_PER_TASK"))
     local_world_size = _positive_int(env.get("LOCAL_WORLD_SIZE")) or 1
-    limits = [affinity, slurm_cpus, None if cgroup_cpus is None else math.ceil(cgroup_cpus)]
-    node_cpus = min(n for n in limits if n is not None)
+    step_tasks = _positive_int(env.get("SLURM_STEP_NUM_TASKS"))
+    world = _positive_int(env.get("WORLD_SIZE")) or 1
+    # torchrun inside one Slurm task: its ranks share the task's CPUs. One srun task per rank: each
+    # has its own SLURM_CPUS_PER_TASK (and, with task binding, its own affinity); only the job's
+    # cgroup on this node is shared by the node's ranks.
+    per_task = world > 1 and step_tasks == world
+    cgroup_ceil = None if cgroup_cpus is None else math.ceil(cgroup_cpus)
+    if per_task:
+        limits = [affinity, slurm_cpus, None if cgroup_ceil is None else cgroup_ceil // local_world_size]
+        budget = min(n for n in limits if n is not None)
+    else:
+        budget = min(n for n in (affinity, slurm_cpus, cgroup_ceil) if n is not None) // local_world_size
     return CpuBudget(
         affinity=affinity,
         cgroup_cpus=cgroup_cpus,
         cgroup_source=cgroup_source,
         slurm_cpus=slurm_cpus,
         local_world_size=local_world_size,
+        rank_per_slurm_task=per_task,
         # Never 0: even an oversubscribed rank has the main process to run on.
-        budget=max(1, node_cpus // local_world_size),
+        budget=max(1, budget),
     )
 
 

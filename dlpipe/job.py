@@ -10,7 +10,7 @@ import signal
 import socket
 import subprocess
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -18,7 +18,7 @@ import yaml
 from dlpipe import hardware
 from dlpipe.config.decisions import explain
 from dlpipe.config.validation import validate
-from dlpipe.errors import DataError, DlpipeError
+from dlpipe.errors import ConfigError, DataError, DlpipeError
 from dlpipe.outbox import OUTBOX_FILE, connect_error
 from dlpipe.redact import redact_text, redact_tree
 
@@ -57,12 +57,31 @@ def _git_commit() -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-def check_single_process(environ) -> None:
-    """Refuse torchrun/Slurm multi-rank launches until data-parallel training exists: N ranks would
-    each train the whole dataset and write to the same output directory."""
+def check_single_process(environ, task: str) -> None:
+    """`dlpipe bench` and `dlpipe tune` measure one process's loader: N ranks would measure N
+    copies of it competing for the same CPUs and write the same files."""
     world = environ.get("WORLD_SIZE", "1")
     if world.isdigit() and int(world) > 1:
-        raise DlpipeError(f"WORLD_SIZE={world}: dlpipe trains in one process for now; launch it without torchrun")
+        raise DlpipeError(f"WORLD_SIZE={world}: dlpipe {task} measures one process; run it without torchrun "
+                          "(auto_workers already divides the CPUs by LOCAL_WORLD_SIZE when you set it)")
+
+
+def check_ranks(ranks, ctx: JobContext, device: str, environ) -> None:
+    """What data-parallel training cannot do, refused before anything starts."""
+    if not ranks.distributed:
+        return
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in environ]
+    if missing:
+        raise DlpipeError(f"WORLD_SIZE={ranks.world} without {', '.join(missing)}: start data-parallel training "
+                          f"with torchrun --nproc_per_node={ranks.world} -m dlpipe ..., which sets them all")
+    if ctx.multirun and "SUBMITIT_EXECUTOR" not in environ:
+        raise DlpipeError(f"--multirun under torchrun (WORLD_SIZE={ranks.world}): every rank would run the whole "
+                          "sweep; sweep with hydra/launcher=submitit_slurm (tasks_per_node=N) or run torchrun per job")
+    if device.startswith("cuda:"):
+        raise ConfigError([f"trainer.device={device}: with {ranks.world} ranks each one takes cuda:LOCAL_RANK; "
+                           "use trainer.device=cuda"])
+    if device == "mps":
+        raise ConfigError([f"trainer.device=mps: data-parallel training ({ranks.world} ranks) needs cpu (gloo) or cuda (NCCL)"])
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
@@ -139,10 +158,11 @@ def check_tracking_reachable(tracking: dict) -> None:
                           "point tracking.uri at a running one, or use tracking=none")
 
 
-def preflight(raw: dict, resolved: dict) -> dict[str, str]:
+def preflight(raw: dict, resolved: dict, task: str) -> dict[str, str]:
     """The checks every task (train, bench, tune) runs before building anything, then the logged
     reasons for each automatic value (returned, for the run's `auto.*` params)."""
-    check_single_process(os.environ)
+    if task != "train":
+        check_single_process(os.environ, task)
     validate(resolved)
     check_tracking_reachable(resolved["tracking"])
     decided = explain(raw, resolved)
@@ -231,10 +251,37 @@ def record_stop(trainer, reason: str, store, loader, tracked, config_flat: dict)
 
 
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
-    """Train one job; returns the last validation loss (for sweepers that minimise it)."""
-    decided = preflight(raw, resolved)
+    """Train one job; returns the last validation loss (for sweepers that minimise it).
 
+    Under torchrun (or a submitit job of several tasks) every rank runs this with the same config:
+    each trains on its share of the data, rank 0 alone tracks, checkpoints and reports.
+    """
+    from dlpipe import distributed
+
+    ranks = distributed.ranks_from_env()
+    check_ranks(ranks, ctx, resolved["trainer"]["device"], os.environ)
+    resolved["trainer"]["device"] = distributed.device_for(resolved["trainer"]["device"], ranks)
+    if not ranks.is_main:
+        log.setLevel(logging.WARNING)  # rank 0 says it all once
+    decided = preflight(raw, resolved, "train")
+    if not ranks.distributed:
+        return train(ctx, raw, resolved, decided, distributed.SINGLE)
+    distributed.start(ranks, resolved["trainer"]["device"])
+    try:
+        # Every rank resumes from and reports to rank 0's output directory (the others' own,
+        # from their own clock, may differ by a second).
+        ctx = replace(ctx, output_dir=Path(distributed.broadcast(str(ctx.output_dir))))
+        result = train(ctx, raw, resolved, decided, ranks)
+        distributed.barrier()  # no rank tears its connections down while another still uses them
+        return result
+    finally:
+        distributed.stop()
+
+
+def train(ctx: JobContext, raw: dict, resolved: dict, decided: dict[str, str], ranks) -> float | None:
     import torch
+
+    from dlpipe import distributed
 
     from dlpipe.build import build_data_and_model, build_loaders
     from dlpipe.checkpoint import CheckpointStore
@@ -250,17 +297,20 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     from dlpipe.verdict import diagnose, rss_slope, run_metrics, worker_leak
 
     trainer_cfg, telemetry = resolved["trainer"], resolved["telemetry"]
-    seed_everything(trainer_cfg["seed"], trainer_cfg["deterministic"])
+    # Ranks draw different dropout and augmentation; their weights agree (DDP copies rank 0's).
+    seed_everything(trainer_cfg["seed"] + ranks.rank, trainer_cfg["deterministic"])
     train_set, val_set, model, optimizer = build_data_and_model(resolved)
     fit_workers(raw, resolved, train_set, decided)
-    train_plan, val_plan = build_loaders(resolved, train_set, val_set)
+    train_plan, val_plan = build_loaders(resolved, train_set, val_set, ranks.rank, ranks.world)
     budget = hardware.cpu_budget()
-    warn_about_loaders(resolved, train_set, (train_plan, val_plan), budget.budget)
+    if ranks.is_main:
+        warn_about_loaders(resolved, train_set, (train_plan, val_plan), budget.budget)
 
-    ctx.output_dir.mkdir(parents=True, exist_ok=True)
     shown = redact_tree(resolved)  # what is recorded anywhere; `resolved` itself builds the job
     resolved_yaml = yaml.safe_dump(shown, sort_keys=False)
-    (ctx.output_dir / "resolved_config.yaml").write_text(resolved_yaml)
+    if ranks.is_main:
+        ctx.output_dir.mkdir(parents=True, exist_ok=True)
+        (ctx.output_dir / "resolved_config.yaml").write_text(resolved_yaml)
 
     config_flat = flatten(shown)
     params = dict(config_flat)
@@ -269,6 +319,9 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     params["loader.batch_bytes_est"] = str(train_plan.batch_bytes)
     params["loader.inflight_bytes_est"] = str(train_plan.inflight_bytes)
     params["model.parameters"] = str(sum(p.numel() for p in model.parameters()))
+    if ranks.distributed:
+        params.update({"dist.world_size": str(ranks.world), "dist.local_world_size": str(ranks.local_world),
+                       "dist.global_batch": str(trainer_cfg["accumulate"] * resolved["loader"]["batch_size"] * ranks.world)})
     tags = run_tags(ctx)
     commit = _git_commit()
     if commit:
@@ -277,13 +330,23 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     fields = TrainSettings.__dataclass_fields__
     settings = TrainSettings(**{k: v for k, v in trainer_cfg.items() if k in fields},
                              cuda_sync_every=telemetry["cuda_sync_every"])
+    if not ranks.is_main:
+        settings = replace(settings, progress=False)
     device_type = settings.device.partition(":")[0]
     sampler = ResourceSampler(telemetry["sample_interval_s"], budget.budget, gpu_for(settings.device))
     profile_dir = ctx.output_dir / "profile"
-    profiler = StepProfiler(profile_dir, telemetry["profile_steps"], telemetry["profile_wait"], device_type)
-    allocations = AllocationSnapshot(profile_dir, telemetry["tracemalloc"])
+    # Profiles are rank 0's: the ranks run the same code, and one trace is what a person reads.
+    profiler = StepProfiler(profile_dir, telemetry["profile_steps"] if ranks.is_main else 0,
+                            telemetry["profile_wait"], device_type)
+    allocations = AllocationSnapshot(profile_dir, telemetry["tracemalloc"] and ranks.is_main)
     loader = train_plan.loader
-    trainer = Trainer(model, optimizer, settings, sampler=sampler, profiler=profiler if profiler.enabled else None)
+    peers = None
+    if ranks.distributed:
+        from dlpipe.distributed import Collectives
+
+        peers = Collectives(ranks, torch.device(settings.device))
+    trainer = Trainer(model, optimizer, settings, sampler=sampler, profiler=profiler if profiler.enabled else None,
+                      peers=peers)
 
     ck = resolved["checkpoint"]
     store = CheckpointStore(Path(ck["dir"]) if ck["dir"] else ctx.output_dir / "checkpoints",
@@ -303,14 +366,15 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
 
     def after_epoch(row: dict[str, float]) -> None:
         log.info("epoch %d: %s", int(row["epoch"]), judge(row).line())
-        if ck["enabled"]:
+        if ck["enabled"] and ranks.is_main:
             state = trainer.state_dict(loader.generator)
             state.update(mlflow_run_id=tracked.run_id, config=config_flat)
             store.save(state, int(row["epoch"]), row)
 
     start_helper_processes(resolved["loader"]["multiprocessing_context"] if loader.num_workers else None)
     resume_run = start.get("mlflow_run_id") if start else None
-    with stop_gracefully(trainer), open_run(ctx, resolved["tracking"], tags, resume_run) as tracked:
+    tracking = resolved["tracking"] if ranks.is_main else {**resolved["tracking"], "enabled": False}
+    with stop_gracefully(trainer), open_run(ctx, tracking, tags, resume_run) as tracked:
         tracked.log_params(params)
         tracked.log_text(resolved_yaml, "config/resolved.yaml")
         sampler.start()
@@ -319,17 +383,24 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
         allocations.start()
         profiler.start()
         trainer.metrics, trainer.on_epoch = tracked, after_epoch
+        if peers is not None:
+            peers.barrier()  # start the clocks together: rank 0 took longer, opening the run
         try:
             history = trainer.fit(train_plan.loader, val_plan.loader if val_plan else None)
         except StopTraining as stop:
             trainer.stopping = True
-            record_stop(trainer, stop.reason, store if ck["enabled"] else None, loader, tracked, config_flat)
+            if ranks.is_main:
+                record_stop(trainer, stop.reason, store if ck["enabled"] else None, loader, tracked, config_flat)
             if stop.reason == "SIGINT":
                 raise KeyboardInterrupt from None
             raise Terminated(stop.reason) from None
         except torch.cuda.OutOfMemoryError as e:
             raise DlpipeError(out_of_memory_advice(resolved, e)) from e
         except RuntimeError as e:
+            if ranks.distributed and distributed.lost_peer(e):
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise DlpipeError(f"another rank left the job mid-step ({first[:200]}); its own error, "
+                                  "printed by that rank, is the cause") from e
             why = explain_loader_failure(e, resolved["loader"])
             if why is None:
                 raise
@@ -355,6 +426,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
             tracked.log_metrics({"worker_rss_slope_mb_per_epoch": rss_slope(rss)}, step=len(history))
         tracked.set_tags(end_tags)
 
+    if not ranks.is_main:
+        return history[-1].get("val_loss") if history else None
     print(summary_table(history), flush=True)
     print(f"bottleneck: {verdict.line()}", flush=True)
     if tracked.run_id:

@@ -66,8 +66,9 @@ def lint_loader(loader: dict, epochs: int, facts: LoaderFacts) -> list[str]:
                        "lower loader.num_workers, loader.prefetch_factor or loader.batch_size")
     per_rank = facts.train_size // max(facts.world_size, 1)
     if facts.world_size > 1 and facts.train_size % facts.world_size:
-        out.append(f"{facts.train_size} training samples over {facts.world_size} ranks: DistributedSampler repeats "
-                   f"{facts.world_size - facts.train_size % facts.world_size} samples each epoch to even them out")
+        out.append(f"{facts.train_size} training samples over {facts.world_size} ranks: each epoch repeats "
+                   f"{facts.world_size - facts.train_size % facts.world_size} of them to even out the ranks' steps "
+                   "(as DistributedSampler does)")
     if not loader["drop_last"] and per_rank % batch == 1:
         out.append(f"loader.batch_size={batch} leaves a last batch of 1 sample ({per_rank} per rank): BatchNorm "
                    "fails on it and its gradient is noisy; set loader.drop_last=true or change loader.batch_size")

@@ -45,6 +45,16 @@ class MetricSink(Protocol):
     def flush(self) -> None: ...
 
 
+class Peers(Protocol):
+    """The other ranks of a data-parallel job (dlpipe.distributed.Collectives)."""
+
+    def sum(self, values: list[float]) -> list[float]: ...
+
+    def any(self, flag: bool) -> bool: ...
+
+    def epoch_row(self, row: dict[str, float]) -> dict[str, float]: ...
+
+
 class NoMetrics:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         return None
@@ -111,12 +121,26 @@ class Trainer:
         empty_cache: Callable[[], None] | None = None,
         on_epoch: Callable[[dict[str, float]], None] | None = None,
         profiler=None,
+        peers: Peers | None = None,
     ):
         """`on_epoch` sees each epoch's metrics after they are logged (the job prints the verdict
-        there); `profiler` gets .step() after every micro-batch (dlpipe.profiling.StepProfiler)."""
+        there); `profiler` gets .step() after every micro-batch (dlpipe.profiling.StepProfiler).
+
+        With `peers` (a data-parallel job, process group started), the model is wrapped in
+        DistributedDataParallel, the loaders must give each rank its share, and every logged
+        number is the whole job's."""
         self.settings = settings
         self.device = torch.device(settings.device)
         self.model = model.to(self.device)
+        self.peers = peers
+        # `net` runs the training forward pass; `model` stays the bare module, so checkpoints
+        # have the same keys with or without DDP.
+        self.net = self.model
+        if peers is not None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # Broadcasts rank 0's parameters: every rank starts from the same weights.
+            self.net = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = optimizer
         self.metrics = metrics or NoMetrics()
         self.sampler = sampler
@@ -192,6 +216,8 @@ class Trainer:
                 row.update(self.validate(val_loader))
             if self.sampler is not None:
                 row.update(self.sampler.window())
+            if self.peers is not None:
+                row = self.peers.epoch_row(row)
             self.metrics.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
             self.metrics.flush()  # between epochs: the write never interrupts a training step
             self.history.append(row)
@@ -266,9 +292,13 @@ class Trainer:
             if window_micro == 0:
                 # samples a full window holds; from the first micro-batch when a sampler makes batches
                 nominal = s.accumulate * (batch_size or n)
-            with self._autocast():
-                loss = training_loss(self.model(inputs), target)
-            self.scaler.scale(loss * (n / nominal)).backward()
+            # DDP averages gradients over ranks in backward; on the micro-batches that do not end
+            # an optimizer step there is nothing to average yet, so skip that communication.
+            steps_now = window_micro + 1 == s.accumulate or (total is not None and done + 1 >= total)
+            with nullcontext() if steps_now or self.net is self.model else self.net.no_sync():
+                with self._autocast():
+                    loss = training_loss(self.net(inputs), target)
+                self.scaler.scale(loss * (n / nominal)).backward()
             detached = loss.detach()
             loss_sum.add_(detached, alpha=n)  # in place, one op: this runs every micro-step
             self._log_loss.add_(detached, alpha=n)
@@ -292,7 +322,7 @@ class Trainer:
             if self._done():
                 break
             # Not on the epoch's last batch: then the epoch finishes and the stop comes at the next one.
-            if window_micro == 0 and self.stop_requested and (total is None or done < total):
+            if window_micro == 0 and (total is None or done < total) and self._stop_now():
                 self.interrupted_at = done  # at an optimizer step: no half-accumulated gradients
                 break
         if window_micro:  # the last, partial window of the epoch still updates the model
@@ -310,6 +340,16 @@ class Trainer:
         stats["train_loss"] = (loss_sum / max(seen, 1)).item()  # one sync per epoch
         progress.close(done, stats["samples_per_s"], stats["data_wait_frac"])
         return stats
+
+    def _stop_now(self) -> bool:
+        """Whether to stop at this optimizer step. All ranks must stop at the same step (DDP's
+        next backward would wait for the missing ones), and a signal may reach only some of them."""
+        if self.peers is None:
+            return self.stop_requested is not None
+        if self.peers.any(self.stop_requested is not None):
+            self.stop_requested = self.stop_requested or "a stop on another rank"
+            return True
+        return False
 
     def _optimizer_step(self, window_samples: int, nominal: int) -> None:
         s = self.settings
@@ -333,7 +373,10 @@ class Trainer:
             log.info("step %d: released cached CUDA memory (trainer.empty_cache_every=%d)", self.step, s.empty_cache_every)
         if self.step % s.log_every == 0:
             # .item() is a CPU-GPU sync point: only once every log_every steps.
-            mean = (self._log_loss / max(self._log_samples, 1)).item()
+            loss_sum, samples = self._log_loss.item(), self._log_samples
+            if self.peers is not None:
+                loss_sum, samples = self.peers.sum([loss_sum, samples])
+            mean = loss_sum / max(samples, 1)
             self.metrics.log_metrics({"train_loss_step": mean}, step=self.step)
             self._log_loss.zero_()
             self._log_samples = 0
@@ -356,6 +399,9 @@ class Trainer:
             correct += right
             samples += target.shape[0]
             targets += target.numel()
+        loss_total, right_total = loss_sum.item(), correct.item()
+        if self.peers is not None:  # each rank scored its own share: add the counts up
+            loss_total, right_total, samples, targets = self.peers.sum([loss_total, right_total, samples, targets])
         if samples == 0:
             return {}
-        return {"val_loss": (loss_sum / samples).item(), "val_accuracy": correct.item() / targets}
+        return {"val_loss": loss_total / samples, "val_accuracy": right_total / targets}

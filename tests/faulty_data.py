@@ -1,5 +1,6 @@
 """Datasets that fail or stall on purpose, importable by a dlpipe subprocess (PYTHONPATH=tests)."""
 
+import os
 import time
 
 import torch
@@ -103,4 +104,24 @@ class HangingDataset(Dataset):
     def __getitem__(self, i):
         if i == self.hang_at:
             time.sleep(self.hang_s)
+        return torch.randn(4), i % 2
+
+
+class RankFailingDataset(Dataset):
+    """Raises on one rank of a data-parallel job (RANK from torchrun) after `fail_after` items,
+    mid-training: the other ranks must not hang waiting for it."""
+
+    num_classes = 2
+
+    def __init__(self, size: int = 512, fail_rank: int = 1, fail_after: int = 100):
+        self.size, self.fail_rank, self.fail_after = size, fail_rank, fail_after
+        self.fetched = 0
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        self.fetched += 1
+        if os.environ.get("RANK") == str(self.fail_rank) and self.fetched > self.fail_after:
+            raise RuntimeError(f"rank {self.fail_rank} cannot read sample {i}")
         return torch.randn(4), i % 2

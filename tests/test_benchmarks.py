@@ -98,3 +98,64 @@ def test_startup_runs_and_reports_what_printing_a_config_imports(tmp_path):
     assert len(rows) == 7
     assert rows["dlpipe --cfg job"][3] == "torch=False mlflow=False"
     assert rows["dlpipe --help"][3] == "torch=False mlflow=False"
+
+
+def test_suite_runs_the_chosen_scripts_into_one_report(tmp_path):
+    # The two fastest scripts at --quick sizes (about 20 s on 2 CPUs); startup alone takes 40 s.
+    out = tmp_path / "suite.md"
+    r = run(["-m", "benchmarks", "--quick", "--rounds", "1", "--only", "telemetry_overhead,loader_tuning",
+             "--out", str(out)], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert text in r.stdout  # the same report is printed
+    assert "- command: `python -m benchmarks --quick --rounds 1 --only telemetry_overhead,loader_tuning" in text
+    assert "- git commit: " in text and "- CPU budget: " in text
+    rows = table_rows(text)
+    assert rows[0] == ["script", "goal", "result", "exit status"]
+    summary = {row[0]: row for row in rows[2:4]}
+    assert list(summary) == ["telemetry_overhead", "loader_tuning"]  # the suite's order, not --only's
+    assert all(row[3] == "0" for row in summary.values())
+    assert summary["telemetry_overhead"][2].startswith("goal B/A >= 0.98")
+    assert summary["loader_tuning"][2].startswith("decode: automatic ") and "in-memory: automatic " in summary["loader_tuning"][2]
+    # Each script's own report under its name, its headings nested below the suite's.
+    assert "\n## telemetry_overhead\n" in text and "\n### telemetry overhead\n" in text
+    assert "\n## loader_tuning\n" in text and "\n#### decode: " in text
+    assert "`python -m benchmarks.telemetry_overhead --rounds 1 --steps 20`: exit 0" in text
+    assert "## startup" not in text and "| runner_overhead |" not in text
+
+
+def test_suite_rejects_an_unknown_name_in_one_line(tmp_path):
+    r = run(["-m", "benchmarks", "--only", "startup,nope"], cwd=tmp_path, timeout=60)
+    assert r.returncode == 2
+    error = r.stderr.strip().splitlines()[-1]
+    assert error.startswith("python -m benchmarks: error: argument --only: no benchmark named 'nope'")
+    assert "telemetry_overhead" in error and r.stdout == ""
+
+
+def test_suite_reports_a_crashed_script_and_goes_on(tmp_path, monkeypatch, capsys):
+    from benchmarks import suite
+
+    # Two scripts that crash at once (no such module): the second still runs after the first.
+    missing = [suite.Benchmark(name, "none", (), r"^- ") for name in ("no_such_script", "nor_this_one")]
+    monkeypatch.setattr(suite, "BENCHMARKS", tuple(missing))
+    out = tmp_path / "suite.md"
+    assert suite.main(["--out", str(out)]) == 1
+    rows = {row[0]: row for row in table_rows(out.read_text())[2:]}
+    assert list(rows) == ["no_such_script", "nor_this_one"]
+    for name, row in rows.items():
+        assert row[3] == "1 (crashed)"
+        assert f"No module named benchmarks.{name}" in row[2]  # its last stderr line
+    assert "[no_such_script] " in capsys.readouterr().err  # its stderr was passed through
+
+
+def test_suite_skips_the_gpu_case_study_without_a_gpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: the suite would run the case study")
+    out = tmp_path / "suite.md"
+    r = run(["-m", "benchmarks", "--only", "gpu_loader_case_study", "--out", str(out)], cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = table_rows(out.read_text())
+    assert rows[2][0] == "gpu_loader_case_study" and rows[2][3] == "skipped: no CUDA GPU"
+    assert "\n## gpu_loader_case_study\n\nskipped: no CUDA GPU" in out.read_text()

@@ -209,10 +209,12 @@ def test_broken_user_recipe_names_the_file(dlpipe, tmp_path):
     assert r.returncode == 2 and str(mine / "broken.yaml") in r.stderr and "Traceback" not in r.stderr
 
 
-def test_multi_rank_launch_is_refused(dlpipe):
-    """Under torchrun (WORLD_SIZE > 1) dlpipe refuses instead of training the same data N times."""
+def test_half_a_distributed_environment_is_refused(dlpipe):
+    """WORLD_SIZE without the rest of torchrun's variables: one line saying how to launch, no traceback."""
     r = dlpipe(*FAST, "tracking=none", env={"WORLD_SIZE": "2"})
-    assert r.returncode == 2 and "WORLD_SIZE=2" in r.stderr
+    assert r.returncode == 2, r.stderr
+    assert "dlpipe: error: rank 0: WORLD_SIZE=2 without RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT" in r.stderr
+    assert "torchrun --nproc_per_node=2 -m dlpipe" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_cfg_job_resolve_shows_final_values(dlpipe):

@@ -44,7 +44,21 @@ def group_options(group: str) -> list[str]:
 def test_every_conf_file_belongs_to_a_tested_option():
     """Each YAML in conf/ is either the primary config or a group option that the tests below compose."""
     for path in conf_dir().rglob("*.yaml"):
-        assert path.name == "config.yaml" or path.parent.name in {"dataset", "model", "loader", "optim", "trainer", "tracking", "telemetry", "checkpoint", "bench"}, path
+        assert path.name == "config.yaml" or path.parent.name in {"dataset", "model", "loader", "optim", "trainer", "tracking", "telemetry", "checkpoint", "bench", "launcher"}, path
+
+
+@pytest.mark.parametrize("preset", group_options("hydra/launcher"))
+def test_slurm_presets_compose_onto_the_submitit_launcher(preset):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=[f"hydra/launcher={preset}"], return_hydra_config=True)
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
+    assert launcher["_target_"].endswith("submitit_launcher.SlurmLauncher")
+    assert launcher["max_num_timeout"] > 0 and launcher["signal_delay_s"] >= 60  # requeue with time to save
+    for key in ("partition", "timeout_min", "cpus_per_task", "mem_gb", "gpus_per_node"):
+        assert key in launcher
+    gpus, tasks = cfg.hydra.launcher.gpus_per_node, cfg.hydra.launcher.tasks_per_node
+    assert {"slurm": (None, 1), "slurm_gpu": (1, 1), "slurm_node": (8, 8)}[preset] == (gpus, tasks)
 
 
 @pytest.mark.parametrize("dataset, model", PAIRS)

@@ -218,6 +218,18 @@ def test_slurm_and_local_world_size(tmp_path):
     assert budget(roots, affinity=2, LOCAL_WORLD_SIZE="8").budget == 1  # never below 1
 
 
+def test_a_slurm_task_per_rank_keeps_its_own_cpus(tmp_path):
+    """submitit on Slurm, one task per GPU: SLURM_CPUS_PER_TASK is each rank's already."""
+    roots = fake_host(tmp_path, "0::/\n", {"cpu.max": "3200000 100000\n"})  # the job's 32 CPUs on this node
+    env = dict(SLURM_CPUS_PER_TASK="8", LOCAL_WORLD_SIZE="4", WORLD_SIZE="8", SLURM_STEP_NUM_TASKS="8")
+    b = budget(roots, affinity=64, **env)
+    assert (b.rank_per_slurm_task, b.budget) == (True, 8)
+    assert budget(roots, affinity=8, **{**env, "SLURM_CPUS_PER_TASK": "16"}).budget == 8  # bound to 8 CPUs
+    # torchrun with 4 ranks inside one Slurm task of 8 CPUs: they share them
+    shared = budget(roots, affinity=64, **{**env, "WORLD_SIZE": "4", "SLURM_STEP_NUM_TASKS": "1"})
+    assert (shared.rank_per_slurm_task, shared.budget) == (False, 2)
+
+
 def test_all_limits_take_the_minimum(tmp_path):
     roots = fake_host(tmp_path, "0::/\n", {"cpu.max": "300000 100000\n"})
     assert budget(roots, affinity=16, SLURM_CPUS_PER_TASK="8").budget == 3

@@ -19,7 +19,7 @@ def test_a_sound_config_has_no_findings():
     ({}, {"train_size": 320}, "loader.persistent_workers=true with 10 batches an epoch"),
     ({}, {"shm_free_bytes": 64 * 2**20, "batch_bytes": 20 * 2**20},
      "2 workers x prefetch 2 x 20 MB batches = 80 MB in flight through /dev/shm, which has 64 MB free"),
-    ({}, {"world_size": 3}, "3200 training samples over 3 ranks: DistributedSampler repeats 1 samples"),
+    ({}, {"world_size": 3}, "3200 training samples over 3 ranks: each epoch repeats 1 of them"),
     ({}, {"train_size": 3201}, "loader.batch_size=32 leaves a last batch of 1 sample"),
 ])
 def test_each_risk_is_one_line_with_the_fix(change, facts, expected):

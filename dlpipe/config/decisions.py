@@ -48,8 +48,12 @@ def workers() -> Decision:
     b = hardware.cpu_budget()
     value = hardware.recommended_workers(b.budget)
     cgroup = "none" if b.cgroup_cpus is None else f"{b.cgroup_cpus:g}"
-    why = (f"CPU budget {b.budget} per rank -> {value} workers; budget = min(affinity {b.affinity}, "
-           f"cgroup {cgroup}, Slurm {b.slurm_cpus or 'none'}) // {b.local_world_size} rank(s) per node")
+    if b.rank_per_slurm_task:
+        why = (f"CPU budget {b.budget} per rank -> {value} workers; budget = min(affinity {b.affinity}, "
+               f"Slurm {b.slurm_cpus or 'none'} per task, cgroup {cgroup} // {b.local_world_size} tasks per node)")
+    else:
+        why = (f"CPU budget {b.budget} per rank -> {value} workers; budget = min(affinity {b.affinity}, "
+               f"cgroup {cgroup}, Slurm {b.slurm_cpus or 'none'}) // {b.local_world_size} rank(s) per node")
     return Decision(value, why, b.as_params())
 
 

@@ -31,27 +31,43 @@ class LoaderPlan:
     """Bytes the workers hold ready: num_workers x prefetch_factor x batch_bytes."""
 
 
-class EpochShuffle(Sampler[int]):
-    """Shuffles with an order that depends only on (seed, epoch), like DistributedSampler.
+class EpochOrder(Sampler[int]):
+    """This rank's sample order for one epoch, depending only on (seed, epoch), like DistributedSampler.
 
     The default RandomSampler draws from the DataLoader's generator, which persistent workers
     consume differently from fresh ones, so a resumed run would see another order and skip or
     repeat samples. The runner calls set_epoch() before each epoch.
+
+    With several ranks, every rank draws the same permutation and takes every world-th index
+    from its own offset, so one optimizer step of N ranks sees the same samples as one process
+    with N times the batch. Training pads the order (repeating its first indices) to a multiple
+    of the world size, because DDP needs every rank to take the same number of steps; validation
+    does not pad, so every sample is scored exactly once.
     """
 
-    def __init__(self, size: int, seed: int):
+    def __init__(self, size: int, seed: int, *, shuffle: bool = True, rank: int = 0, world: int = 1, pad: bool = True):
         self.size, self.seed, self.epoch = size, seed, 0
+        self.shuffle, self.rank, self.world, self.pad = shuffle, rank, world, pad
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.size
+        if self.pad:
+            return -(-self.size // self.world)
+        return len(range(self.rank, self.size, self.world))
 
     def __iter__(self):
-        g = torch.Generator()
-        g.manual_seed(self.seed * 1_000_003 + self.epoch)
-        return iter(torch.randperm(self.size, generator=g).tolist())
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.size, generator=g).tolist()
+        else:
+            order = list(range(self.size))
+        if self.pad and self.world > 1 and order:
+            short = len(self) * self.world - self.size
+            order += (order * (short // len(order) + 1))[:short]
+        return iter(order[self.rank::self.world])
 
 
 def sample_bytes(dataset: Dataset) -> int:
@@ -90,8 +106,11 @@ def build_loader(
     seed: int,
     cuda: bool,
     role: str = "train",
+    rank: int = 0,
+    world: int = 1,
 ) -> LoaderPlan:
-    """A DataLoader for `dataset`; `cuda` says whether batches will go to a CUDA device."""
+    """A DataLoader for `dataset`; `cuda` says whether batches will go to a CUDA device. With
+    `world` > 1 it loads this rank's share (see EpochOrder); `batch_size` is per rank."""
     notes = []
     if num_workers == 0:
         if prefetch_factor is not None:
@@ -106,15 +125,19 @@ def build_loader(
     if pin_memory and not cuda:
         pin_memory = False  # PyTorch would warn on every epoch; dlpipe.lint says it once, with the fix
 
-    # The generator fixes the per-worker base seed (EpochShuffle fixes the order); each worker then seeds
+    # The generator fixes the per-worker base seed (EpochOrder fixes the order); each worker then seeds
     # torch, `random` and NumPy from base_seed + worker_id itself, so augmentations differ per
     # worker and repeat for the same seed without a worker_init_fn.
     generator = torch.Generator()
-    generator.manual_seed(seed)
+    generator.manual_seed(seed + rank)  # ranks augment differently; the order (EpochOrder) is shared
+    training = role == "train"
+    sampler = None
+    if (shuffle and training) or world > 1:
+        sampler = EpochOrder(len(dataset), seed, shuffle=shuffle and training, rank=rank, world=world, pad=training)
     loader = SignalSafeLoader(
         dataset,
         batch_size=batch_size,
-        sampler=EpochShuffle(len(dataset), seed) if shuffle else None,
+        sampler=sampler,
         drop_last=drop_last,
         num_workers=num_workers,
         pin_memory=pin_memory,

@@ -1,0 +1,129 @@
+"""Data-parallel training: real torchrun, 2 gloo ranks on the CPU, against single-process training."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import NO_PHONE_HOME, TESTS_DIR, runs_of
+from dlpipe.data.loader import EpochOrder
+from dlpipe.distributed import Ranks, device_for, ranks_from_env
+from dlpipe.errors import ConfigError, DlpipeError
+from dlpipe.job import JobContext, check_ranks
+
+# 768 training samples: 12 global batches of 64, so no rank pads and the two runs see the same data.
+SAME_DATA = ["+recipe=tabular", "dataset.size=1024", "trainer.val_fraction=0.25", "trainer.epochs=2",
+             "trainer.accumulate=2", "trainer.progress=false", "tracking=none", "loader.num_workers=0"]
+
+
+def torchrun(tmp_path, *args: str, ranks: int = 2, env: dict | None = None, timeout: float = 240):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD", "SUBMITIT_"))}
+    full_env.update(NO_PHONE_HOME, PYTHONPATH=str(TESTS_DIR), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m", "dlpipe", *args],
+        cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+    )
+
+
+def checkpoint(path):
+    return torch.load(path, weights_only=True)
+
+
+def test_two_ranks_train_the_same_model_as_one_process_with_the_global_batch(tmp_path, dlpipe):
+    one = dlpipe(*SAME_DATA, "loader.batch_size=64", "hydra.run.dir=one")
+    assert one.returncode == 0, one.stderr
+    two = torchrun(tmp_path, *SAME_DATA, "loader.batch_size=32", "hydra.run.dir=two")
+    assert two.returncode == 0, two.stderr[-4000:]
+
+    a, b = checkpoint(tmp_path / "one/checkpoints/epoch-0002.pt"), checkpoint(tmp_path / "two/checkpoints/epoch-0002.pt")
+    assert a["step"] == b["step"] == 12  # 2 epochs x 12 global batches / accumulate 2
+    for name, weight in a["model"].items():
+        assert torch.allclose(weight, b["model"][name], rtol=1e-4, atol=1e-6), name
+    for row_a, row_b in zip(a["history"], b["history"]):  # losses aggregated over ranks
+        assert row_b["train_loss"] == pytest.approx(row_a["train_loss"], rel=1e-4)
+        assert row_b["val_loss"] == pytest.approx(row_a["val_loss"], rel=1e-4)  # every val sample once
+        assert row_b["val_accuracy"] == pytest.approx(row_a["val_accuracy"])
+    # Only rank 0 writes: one output directory, nothing from rank 1 in the working directory.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+    assert two.stdout.count("bottleneck:") == 1
+
+
+def test_a_failing_rank_ends_the_job_with_its_error_instead_of_a_hang(tmp_path, mlflow_store, mlflow_client):
+    started = time.monotonic()
+    r = torchrun(
+        tmp_path, "--config-dir", str(TESTS_DIR / "conf"), "dataset=rank_failing", "model=mlp", "model.in_features=4", "loader.num_workers=0", "loader.batch_size=16", "trainer.epochs=3",
+        "trainer.progress=false", "trainer.val_fraction=0", f"tracking.uri={mlflow_store}",
+        "tracking.experiment=rank-failure", timeout=180,
+    )
+    assert r.returncode != 0
+    assert time.monotonic() - started < 150  # ended by the failure, not by a collective timing out
+    assert "dlpipe: error: rank 1: dataset item" in r.stderr and "rank 1 cannot read sample" in r.stderr
+    # rank 0 says why it stopped, in one line, not with a gloo traceback
+    assert "dlpipe: error: rank 0: another rank left the job mid-step" in r.stderr or "terminated (SIGTERM)" in r.stderr
+    assert "Traceback" not in r.stderr.split("failed (exitcode")[0]  # before torchrun's own report
+    runs = runs_of(mlflow_client, "rank-failure")
+    assert len(runs) == 1  # rank 0's; the other rank never tracks
+    assert runs[0].info.status in ("FAILED", "KILLED")
+
+
+def test_epoch_order_shards_one_shared_permutation():
+    whole = list(EpochOrder(10, seed=3))
+    shards = [EpochOrder(10, seed=3, rank=r, world=2) for r in range(2)]
+    assert [len(s) for s in shards] == [5, 5]
+    interleaved = [i for pair in zip(*(list(s) for s in shards)) for i in pair]
+    assert interleaved == whole  # step k of 2 ranks = batch k of one process with twice the batch
+
+
+def test_epoch_order_pads_training_but_not_validation():
+    train = [list(EpochOrder(7, seed=0, rank=r, world=3)) for r in range(3)]
+    assert [len(t) for t in train] == [3, 3, 3]  # 2 samples repeated so every rank takes 3 steps
+    assert set(sum(train, [])) == set(range(7))
+    val = [list(EpochOrder(7, seed=0, shuffle=False, rank=r, world=3, pad=False)) for r in range(3)]
+    assert sorted(sum(val, [])) == list(range(7))  # each validation sample scored exactly once
+    assert [len(EpochOrder(7, seed=0, shuffle=False, rank=r, world=3, pad=False)) for r in range(3)] == [3, 2, 2]
+
+
+def test_epoch_order_changes_with_the_epoch_only():
+    order = EpochOrder(50, seed=1, rank=1, world=2)
+    first = list(order)
+    assert list(order) == first
+    order.set_epoch(2)
+    assert list(order) != first
+
+
+def test_ranks_come_from_torchrun_variables():
+    assert ranks_from_env({}) == Ranks()
+    assert ranks_from_env({"WORLD_SIZE": "1", "RANK": "0"}) == Ranks()
+    r = ranks_from_env({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert (r.rank, r.world, r.local_rank, r.local_world, r.is_main) == (3, 4, 1, 2, False)
+    assert device_for("cuda", r) == "cuda:1" and device_for("cpu", r) == "cpu"
+    assert device_for("cuda", Ranks()) == "cuda"
+
+
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_what_data_parallel_training_refuses(tmp_path):
+    ranks = Ranks(rank=0, world=2, local_world=2)
+    ctx = JobContext(tmp_path, [], None, multirun=False)
+    with pytest.raises(DlpipeError, match="WORLD_SIZE=2 without MASTER_ADDR, MASTER_PORT"):
+        check_ranks(ranks, ctx, "cpu", {"RANK": "0", "LOCAL_RANK": "0"})
+    with pytest.raises(ConfigError, match=r"trainer.device=cuda:1: with 2 ranks each one takes cuda:LOCAL_RANK"):
+        check_ranks(ranks, ctx, "cuda:1", TORCHRUN_ENV)
+    with pytest.raises(ConfigError, match="trainer.device=mps"):
+        check_ranks(ranks, ctx, "mps", TORCHRUN_ENV)
+    sweep = JobContext(tmp_path, [], None, multirun=True)
+    with pytest.raises(DlpipeError, match="--multirun under torchrun"):
+        check_ranks(ranks, sweep, "cpu", TORCHRUN_ENV)
+    check_ranks(ranks, sweep, "cpu", {**TORCHRUN_ENV, "SUBMITIT_EXECUTOR": "slurm"})  # one submitit task per rank: fine
+    check_ranks(Ranks(), ctx, "cuda:1", {})  # one process may use any GPU
+
+
+def test_bench_refuses_to_run_under_torchrun(tmp_path, dlpipe):
+    r = dlpipe("bench", "+recipe=tabular", "tracking=none", env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    assert r.returncode == 2
+    assert "dlpipe: error: rank 0: WORLD_SIZE=2: dlpipe bench measures one process" in r.stderr
