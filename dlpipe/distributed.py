@@ -77,9 +77,12 @@ def export_submitit_env(environ=None) -> bool:
     return True
 
 
-def device_for(device: str, ranks: Ranks) -> str:
-    """`cuda` becomes this rank's GPU, cuda:LOCAL_RANK; other devices are unchanged."""
+def device_for(device: str, ranks: Ranks, visible_gpus: int | None = None) -> str:
+    """`cuda` becomes this rank's GPU: cuda:LOCAL_RANK, or cuda:0 where the scheduler shows each
+    rank only its own GPU (Slurm with --gpu-bind or one GPU per task); other devices are unchanged."""
     if ranks.distributed and device == "cuda":
+        if visible_gpus is not None and visible_gpus < ranks.local_world:
+            return f"cuda:{ranks.local_rank % max(visible_gpus, 1)}"
         return f"cuda:{ranks.local_rank}"
     return device
 
@@ -121,33 +124,52 @@ def broadcast(value):
 
 
 def lost_peer(error: BaseException) -> bool:
-    """Whether a collective failed because another rank went away (it crashed or was stopped)."""
+    """Whether a collective failed because another rank went away (it crashed or was stopped);
+    not a timeout or a mismatch, which are bugs or stragglers and keep their own message."""
     import torch.distributed as dist
 
-    if isinstance(error, dist.DistError):
+    if isinstance(error, dist.DistNetworkError):
         return True
-    text = str(error)
-    return any(mark in text for mark in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL"))
+    return any(mark in str(error) for mark in ("Connection closed by peer", "Connection reset by peer"))
 
 
 class Collectives:
     """The runner's view of the other ranks (dlpipe.runner takes any object with these methods)."""
 
     def __init__(self, ranks: Ranks, device):
-        self.ranks = ranks
-        self.device = device
+        import torch.distributed as dist
 
-    def sum(self, values: list[float]):
-        """Element-wise sum over ranks of a few numbers (one collective)."""
+        self.ranks = ranks
+        # The runner's few numbers travel over gloo on the CPU even when training uses NCCL: an
+        # NCCL collective on a CUDA tensor would make the host wait for the GPU at every step.
+        self.group = dist.new_group(backend="gloo") if getattr(device, "type", device) == "cuda" else None
+
+    def _reduce(self, values: list[float], op) -> list[float]:
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self.group)
         return t.tolist()
 
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks of a few numbers (one collective)."""
+        import torch.distributed as dist
+
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def gather(self, value) -> list:
+        """Every rank's value of a picklable object, in rank order, on every rank."""
+        import torch.distributed as dist
+
+        out = [None] * self.ranks.world
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
     def barrier(self) -> None:
-        barrier()
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
 
     def any(self, flag: bool) -> bool:
         """True on every rank when it is True on any (a stop request reaching some ranks only)."""
@@ -155,21 +177,24 @@ class Collectives:
 
     def epoch_row(self, row: dict[str, float]) -> dict[str, float]:
         """One epoch's metrics for the whole job: throughput adds up over ranks, times and peaks
-        are the slowest or largest rank's, rates and fractions are means over ranks. Validation
-        metrics arrive already exact (runner.validate sums its counts over ranks)."""
-        import torch
+        are the slowest or largest rank's, rates and fractions are means over the ranks that have
+        them. Ranks may report different keys (a sampler metric needs live workers): the union is
+        reduced. Validation metrics arrive already exact (runner.validate sums its counts)."""
+        import math
+
         import torch.distributed as dist
 
-        keys = sorted(k for k in row if k not in ("epoch", "val_loss", "val_accuracy"))
+        own = {k: v for k, v in row.items() if k not in ("epoch", "val_loss", "val_accuracy")}
+        keys = sorted(set().union(*self.gather(sorted(own))))
         if not keys:
             return dict(row)
-        values = torch.tensor([row[k] for k in keys], dtype=torch.float64, device=self.device)
-        totals, peaks = values.clone(), values.clone()
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        present = [1.0 if k in own else 0.0 for k in keys]
+        totals = self._reduce([own.get(k, 0.0) for k in keys] + present, dist.ReduceOp.SUM)
+        peaks = self._reduce([own.get(k, -math.inf) for k in keys], dist.ReduceOp.MAX)
         out = dict(row)
-        for key, total, peak in zip(keys, totals.tolist(), peaks.tolist()):
-            out[key] = total if key in SUMMED else peak if key.endswith(PEAK_SUFFIXES) else total / self.ranks.world
+        for i, key in enumerate(keys):
+            total, count = totals[i], totals[len(keys) + i]
+            out[key] = total if key in SUMMED else peaks[i] if key.endswith(PEAK_SUFFIXES) else total / count
         return out
 
 

@@ -184,7 +184,9 @@ def cpu_budget(
     per_task = world > 1 and step_tasks == world
     cgroup_ceil = None if cgroup_cpus is None else math.ceil(cgroup_cpus)
     if per_task:
-        limits = [affinity, slurm_cpus, None if cgroup_ceil is None else cgroup_ceil // local_world_size]
+        # Without SLURM_CPUS_PER_TASK the tasks may not be bound apart: then affinity is shared too.
+        own_cpus = affinity if slurm_cpus is not None else affinity // local_world_size
+        limits = [own_cpus, slurm_cpus, None if cgroup_ceil is None else cgroup_ceil // local_world_size]
         budget = min(n for n in limits if n is not None)
     else:
         budget = min(n for n in (affinity, slurm_cpus, cgroup_ceil) if n is not None) // local_world_size

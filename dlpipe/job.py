@@ -100,9 +100,17 @@ def stop_gracefully(trainer):
     from dlpipe.data.worker_signals import clear_stop, mark_stop_began
     from dlpipe.tracking import Terminated
 
+    from dlpipe.requeue import submitit_signal
+
+    requeue_signal = submitit_signal()
+
     def handler(signum, frame):
         name = signal.Signals(signum).name
         if trainer.stopping:
+            if signum == requeue_signal:
+                # A stop another rank began: this rank's own signal from submitit still means
+                # "requeue" (job.train raises Terminated with the latest stop_requested).
+                trainer.stop_requested = name
             log.warning("%s ignored: the stop is being recorded", name)
             return
         if trainer.stop_requested is None:
@@ -227,7 +235,24 @@ def out_of_memory_advice(resolved: dict, error: BaseException) -> str:
     )
 
 
-def record_stop(trainer, reason: str, store, loader, tracked, config_flat: dict) -> None:
+def resume_point(store, policy: str, ranks) -> tuple[dict | None, Path | None]:
+    """(state, path) to resume from; with several ranks, rank 0 chooses and the others load the
+    same file (each rank's own listing of a network filesystem may lag behind)."""
+    from dlpipe.checkpoint import load
+    from dlpipe.resume import find_start
+
+    if not ranks.distributed:
+        return find_start(store, policy)
+    from dlpipe import distributed
+
+    start, path = find_start(store, policy) if ranks.is_main else (None, None)
+    path = distributed.broadcast(None if path is None else str(path))
+    if ranks.is_main or path is None:
+        return start, None if path is None else Path(path)
+    return load(Path(path)), Path(path)
+
+
+def record_stop(trainer, reason: str, store, state: dict | None) -> None:
     """Checkpoint an interrupted epoch at its last optimizer step so the same command resumes it."""
     from dlpipe.checkpoint import save_atomic
 
@@ -239,8 +264,6 @@ def record_stop(trainer, reason: str, store, loader, tracked, config_flat: dict)
     if store is None:
         log.warning("stopped by %s in epoch %d: checkpoint.enabled=false, nothing saved", reason, epoch)
         return
-    state = trainer.state_dict(loader.generator)
-    state.update(mlflow_run_id=tracked.run_id, config=config_flat)
     # Named after the epoch it is in: it is the newest, and the finished epoch before it stays as
     # the fallback. The next full save of this epoch replaces it.
     path = store.epoch_path(epoch)
@@ -260,7 +283,10 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
 
     ranks = distributed.ranks_from_env()
     check_ranks(ranks, ctx, resolved["trainer"]["device"], os.environ)
-    resolved["trainer"]["device"] = distributed.device_for(resolved["trainer"]["device"], ranks)
+    if ranks.distributed and resolved["trainer"]["device"] == "cuda":
+        import torch
+
+        resolved["trainer"]["device"] = distributed.device_for("cuda", ranks, torch.cuda.device_count())
     if not ranks.is_main:
         log.setLevel(logging.WARNING)  # rank 0 says it all once
     decided = preflight(raw, resolved, "train")
@@ -287,7 +313,7 @@ def train(ctx: JobContext, raw: dict, resolved: dict, decided: dict[str, str], r
     from dlpipe.checkpoint import CheckpointStore
     from dlpipe.data.faults import explain_loader_failure
     from dlpipe.data.worker_signals import start_helper_processes
-    from dlpipe.resume import check_model_fits, config_changes, find_start
+    from dlpipe.resume import check_model_fits, config_changes
     from dlpipe.console import summary_table
     from dlpipe.profiling import AllocationSnapshot, StepProfiler
     from dlpipe.rng import seed_everything
@@ -351,12 +377,15 @@ def train(ctx: JobContext, raw: dict, resolved: dict, decided: dict[str, str], r
     ck = resolved["checkpoint"]
     store = CheckpointStore(Path(ck["dir"]) if ck["dir"] else ctx.output_dir / "checkpoints",
                             ck["keep_last"], ck["monitor"], ck["mode"])
-    start, start_path = find_start(store, ck["resume"])
+    start, start_path = resume_point(store, ck["resume"], ranks)
     if start is not None:
         check_model_fits(model, start["model"], start_path)
         changed = config_changes(start.get("config", {}), config_flat)
         if changed:
             log.warning("resuming with a changed config: %s", ", ".join(changed))
+        own = start.get("ranks") or []
+        if ranks.distributed and len(own) == ranks.world:
+            start.update(own[ranks.rank])  # this rank's RNG and loader-generator states
         trainer.load_state_dict(start, loader.generator)
         tags["dlpipe.resumed_from"] = f"{start_path} (epoch {start['epoch']})"
 
@@ -364,12 +393,20 @@ def train(ctx: JobContext, raw: dict, resolved: dict, decided: dict[str, str], r
         return diagnose(metrics, num_workers=loader.num_workers, cpu_budget=budget.budget,
                         pin_memory=loader.pin_memory, device_type=device_type)
 
+    def checkpoint_state() -> dict:
+        """The trainer's state; with several ranks, each rank's random state too (called on every rank)."""
+        state = trainer.state_dict(loader.generator)
+        if peers is not None:
+            state["ranks"] = peers.gather({k: state[k] for k in ("rng", "loader_generator")})
+        state.update(mlflow_run_id=tracked.run_id, config=config_flat)
+        return state
+
     def after_epoch(row: dict[str, float]) -> None:
         log.info("epoch %d: %s", int(row["epoch"]), judge(row).line())
-        if ck["enabled"] and ranks.is_main:
-            state = trainer.state_dict(loader.generator)
-            state.update(mlflow_run_id=tracked.run_id, config=config_flat)
-            store.save(state, int(row["epoch"]), row)
+        if ck["enabled"]:
+            state = checkpoint_state()
+            if ranks.is_main:
+                store.save(state, int(row["epoch"]), row)
 
     start_helper_processes(resolved["loader"]["multiprocessing_context"] if loader.num_workers else None)
     resume_run = start.get("mlflow_run_id") if start else None
@@ -389,11 +426,14 @@ def train(ctx: JobContext, raw: dict, resolved: dict, decided: dict[str, str], r
             history = trainer.fit(train_plan.loader, val_plan.loader if val_plan else None)
         except StopTraining as stop:
             trainer.stopping = True
+            state = checkpoint_state() if trainer.interrupted_at is not None and ck["enabled"] else None
             if ranks.is_main:
-                record_stop(trainer, stop.reason, store if ck["enabled"] else None, loader, tracked, config_flat)
+                record_stop(trainer, stop.reason, store if ck["enabled"] else None, state)
+            if peers is not None:
+                peers.barrier()  # nobody exits (and gets the job torn down) before rank 0 has saved
             if stop.reason == "SIGINT":
                 raise KeyboardInterrupt from None
-            raise Terminated(stop.reason) from None
+            raise Terminated(trainer.stop_requested or stop.reason) from None
         except torch.cuda.OutOfMemoryError as e:
             raise DlpipeError(out_of_memory_advice(resolved, e)) from e
         except RuntimeError as e:

@@ -52,6 +52,8 @@ class Peers(Protocol):
 
     def any(self, flag: bool) -> bool: ...
 
+    def barrier(self) -> None: ...
+
     def epoch_row(self, row: dict[str, float]) -> dict[str, float]: ...
 
 
@@ -152,6 +154,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=settings.amp == "fp16")
         self.step = 0  # optimizer steps taken
         self.stop_requested: str | None = None  # set (by a signal handler) to stop at the next optimizer step
+        self.peer_stop = False  # stopping because another rank was asked to (stop_requested stays this rank's own)
         self.stopping = False  # set while a stop is being recorded (checkpoint, tracking)
         self.interrupted_at: int | None = None  # batches done in the epoch a stop interrupted
         self._epoch_start_generator = None
@@ -211,7 +214,7 @@ class Trainer:
             row = {"epoch": float(epoch)}
             row.update(self.train_epoch(train_loader, epoch))
             if self.interrupted_at is not None:
-                raise StopTraining(self.stop_requested or "stop")
+                raise StopTraining(self.stop_requested or ("a stop on another rank" if self.peer_stop else "stop"))
             if val_loader is not None and s.limit_val_batches != 0:
                 row.update(self.validate(val_loader))
             if self.sampler is not None:
@@ -347,7 +350,7 @@ class Trainer:
         if self.peers is None:
             return self.stop_requested is not None
         if self.peers.any(self.stop_requested is not None):
-            self.stop_requested = self.stop_requested or "a stop on another rank"
+            self.peer_stop = self.stop_requested is None
             return True
         return False
 

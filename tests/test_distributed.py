@@ -1,10 +1,13 @@
 """Data-parallel training: real torchrun, 2 gloo ranks on the CPU, against single-process training."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -14,9 +17,12 @@ from dlpipe.distributed import Ranks, device_for, ranks_from_env
 from dlpipe.errors import ConfigError, DlpipeError
 from dlpipe.job import JobContext, check_ranks
 
-# 768 training samples: 12 global batches of 64, so no rank pads and the two runs see the same data.
-SAME_DATA = ["+recipe=tabular", "dataset.size=1024", "trainer.val_fraction=0.25", "trainer.epochs=2",
-             "trainer.accumulate=2", "trainer.progress=false", "tracking=none", "loader.num_workers=0"]
+# 832 training samples: 13 global batches of 64, so no rank pads and the two runs see the same data,
+# and with accumulate 2 every epoch ends on a partial window. Plain SGD: unlike Adam's, its update
+# changes with the gradient's scale, so a sum instead of a mean over ranks would show.
+SAME_DATA = ["+recipe=tabular", "dataset.size=1040", "trainer.val_fraction=0.2", "trainer.epochs=2",
+             "trainer.accumulate=2", "trainer.progress=false", "tracking=none", "loader.num_workers=0",
+             "optim=sgd", "optim.momentum=0", "optim.lr=0.5"]
 
 
 def torchrun(tmp_path, *args: str, ranks: int = 2, env: dict | None = None, timeout: float = 240):
@@ -40,7 +46,7 @@ def test_two_ranks_train_the_same_model_as_one_process_with_the_global_batch(tmp
     assert two.returncode == 0, two.stderr[-4000:]
 
     a, b = checkpoint(tmp_path / "one/checkpoints/epoch-0002.pt"), checkpoint(tmp_path / "two/checkpoints/epoch-0002.pt")
-    assert a["step"] == b["step"] == 12  # 2 epochs x 12 global batches / accumulate 2
+    assert a["step"] == b["step"] == 14  # 2 epochs x 7 windows (6 of 2 batches, 1 of 1)
     for name, weight in a["model"].items():
         assert torch.allclose(weight, b["model"][name], rtol=1e-4, atol=1e-6), name
     for row_a, row_b in zip(a["history"], b["history"]):  # losses aggregated over ranks
@@ -68,6 +74,55 @@ def test_a_failing_rank_ends_the_job_with_its_error_instead_of_a_hang(tmp_path, 
     runs = runs_of(mlflow_client, "rank-failure")
     assert len(runs) == 1  # rank 0's; the other rank never tracks
     assert runs[0].info.status in ("FAILED", "KILLED")
+
+
+def rank_process(proc: subprocess.Popen, rank: int) -> psutil.Process | None:
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "dlpipe" in " ".join(child.cmdline()):
+                return child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def test_a_stop_on_one_rank_stops_both_at_one_step_and_the_same_command_resumes(tmp_path, mlflow_store, mlflow_client):
+    exp = "ddp-stop"
+    args = ["--config-dir", str(TESTS_DIR / "conf"), "dataset=slow", "dataset.size=480", "dataset.delay_s=0.004",
+            "model=mlp", "model.in_features=4", "loader.num_workers=0", "loader.batch_size=16", "trainer.epochs=4",
+            "trainer.val_fraction=0", "trainer.progress=false", "hydra.run.dir=run",
+            f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD", "SUBMITIT_"))}
+    env.update(NO_PHONE_HOME, PYTHONPATH=str(TESTS_DIR), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dlpipe", *args],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "run" / "checkpoints" / "epoch-0001.pt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)
+            time.sleep(0.1)
+        rank_process(proc, 1).send_signal(signal.SIGTERM)  # only rank 1 hears it
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    stopped = checkpoint(tmp_path / "run" / "checkpoints" / "epoch-0002.pt")  # rank 0 saved the stop
+    assert stopped["batches_done"] > 0 and stopped["epoch"] == 1
+    # each rank's own random state, so dropout and augmentation stay different per rank after resuming
+    rank0, rank1 = stopped["ranks"]
+    assert not torch.equal(rank0["rng"]["torch"], rank1["rng"]["torch"])
+    assert not torch.equal(rank0["loader_generator"], rank1["loader_generator"])
+    [run] = runs_of(mlflow_client, exp)
+    assert run.info.status == "KILLED"
+
+    again = torchrun(tmp_path, *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    [run] = runs_of(mlflow_client, exp)  # the same run, continued
+    assert run.info.status == "FINISHED" and "dlpipe.resumed_from" in run.data.tags
+    assert [m.step for m in mlflow_client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2, 3, 4]
 
 
 def test_epoch_order_shards_one_shared_permutation():
@@ -127,3 +182,67 @@ def test_bench_refuses_to_run_under_torchrun(tmp_path, dlpipe):
     r = dlpipe("bench", "+recipe=tabular", "tracking=none", env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
     assert r.returncode == 2
     assert "dlpipe: error: rank 0: WORLD_SIZE=2: dlpipe bench measures one process" in r.stderr
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
+    """no_sync on the micro-batches that do not step: DDP communicates once per optimizer step,
+    including the partial window at the end of the epoch (a one-rank gloo group, in process)."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dlpipe.distributed import Collectives
+    from dlpipe.models.mlp import MLP
+    from dlpipe.runner import Trainer, TrainSettings
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = MLP(in_features=4, num_classes=2, hidden=8, depth=1)
+        settings = TrainSettings(accumulate=4, progress=False, log_every=1)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), settings,
+                          peers=Collectives(Ranks(), torch.device("cpu")))
+        reductions = []
+
+        def count(state, bucket):
+            reductions.append(bucket.index())
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+        trainer.net.register_comm_hook(None, count)
+        data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
+        trainer.fit(DataLoader(data, batch_size=10))  # 10 micro-batches: windows of 4, 4 and 2
+        assert trainer.step == 3
+        assert len(reductions) == 3  # not 10
+    finally:
+        dist.destroy_process_group()
+
+
+def _epoch_row_on_rank(rank: int, store: str, rows: list[dict], out: str) -> None:
+    import torch.distributed as dist
+
+    from dlpipe.distributed import Collectives
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        row = Collectives(Ranks(rank=rank, world=2, local_world=2), torch.device("cpu")).epoch_row(rows[rank])
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(row, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_epoch_metrics_are_the_whole_jobs_even_when_ranks_report_different_keys(tmp_path):
+    """Two real gloo ranks; rank 1 has no worker metrics this epoch (its workers had exited)."""
+    import torch.multiprocessing as mp
+
+    rows = [
+        {"epoch": 1.0, "samples_per_s": 100.0, "epoch_time_s": 2.0, "cpu_util": 50.0, "worker_rss_mean_mb": 10.0,
+         "worker_rss_max_mb": 12.0, "val_loss": 0.5},
+        {"epoch": 1.0, "samples_per_s": 50.0, "epoch_time_s": 3.0, "cpu_util": 30.0, "val_loss": 0.5},
+    ]
+    out = tmp_path / "row"
+    mp.spawn(_epoch_row_on_rank, args=(str(tmp_path / "store"), rows, str(out)), nprocs=2)
+    got = [json.loads((tmp_path / f"row.{r}").read_text()) for r in range(2)]
+    assert got[0] == got[1]  # every rank logs and judges the same numbers
+    assert got[0] == {"epoch": 1.0, "samples_per_s": 150.0, "epoch_time_s": 3.0, "cpu_util": 40.0,
+                      "worker_rss_mean_mb": 10.0, "worker_rss_max_mb": 12.0, "val_loss": 0.5}

@@ -228,6 +228,8 @@ def test_a_slurm_task_per_rank_keeps_its_own_cpus(tmp_path):
     # torchrun with 4 ranks inside one Slurm task of 8 CPUs: they share them
     shared = budget(roots, affinity=64, **{**env, "WORLD_SIZE": "4", "SLURM_STEP_NUM_TASKS": "1"})
     assert (shared.rank_per_slurm_task, shared.budget) == (False, 2)
+    unbound = {k: v for k, v in env.items() if k != "SLURM_CPUS_PER_TASK"}  # tasks not bound apart
+    assert budget(fake_host(tmp_path / "free", "0::/\n", {}), affinity=64, **unbound).budget == 16
 
 
 def test_all_limits_take_the_minimum(tmp_path):
@@ -253,6 +255,7 @@ def test_as_params_is_flat_strings(tmp_path):
         "cpu.cgroup_source": "none",
         "cpu.slurm_cpus": "none",
         "cpu.local_world_size": "1",
+        "cpu.rank_per_slurm_task": "False",
         "cpu.budget": "4",
     }
 
