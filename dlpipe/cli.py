@@ -19,7 +19,7 @@ from dlpipe.config.paths import conf_dir
 from dlpipe.config.recipes import register_recipes
 from dlpipe.config.resolvers import register_resolvers
 from dlpipe.config.schema import register_schemas
-from dlpipe.distributed import export_submitit_env, ranks_from_env
+from dlpipe.distributed import devices_requested, export_submitit_env, ranks_from_env, torchrun_command
 from dlpipe.errors import ConfigError, DlpipeError, user_message
 from dlpipe.requeue import requeue_through_submitit
 
@@ -134,6 +134,19 @@ def main() -> None:
         # `dlpipe bench ARGS` is `dlpipe ARGS task=bench`: the same Hydra app, so recipes,
         # overrides and --multirun work unchanged (last, after any --config-dir option)
         sys.argv = [sys.argv[0], *sys.argv[2:], f"task={sys.argv[1]}"]
+    command = torchrun_command(sys.argv[1:], os.environ)
+    if command is not None:
+        if {"--multirun", "-m"} & set(sys.argv[1:]):
+            print(f"dlpipe: error: trainer.devices={devices_requested(sys.argv[1:])} with --multirun: a sweep's jobs cannot "
+                  "each start torchrun here; use hydra/launcher=slurm_node (a task per GPU) or one torchrun per job",
+                  file=sys.stderr)
+            sys.exit(2)
+        # Restarted as torchrun's ranks. Restarts share no TCP store (they were unreliable with it).
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        n = devices_requested(sys.argv[1:])
+        print(f"dlpipe: trainer.devices={n}: running {n} ranks as torchrun --standalone --nproc_per_node={n} -m dlpipe ...",
+              file=sys.stderr, flush=True)
+        os.execve(sys.executable, command, env)
     if ranks_from_env().rank > 0 and "SUBMITIT_EXECUTOR" not in os.environ:
         # A torchrun rank other than 0 writes nothing of its own: no run directory, Hydra record or
         # log file (its output directory comes from rank 0; see job.run). Last, so they win.

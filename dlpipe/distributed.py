@@ -9,6 +9,8 @@ config is resolved (so `${auto_workers:}` divides the node's CPUs among its rank
 
 import logging
 import os
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -55,6 +57,30 @@ def ranks_from_env(environ: Mapping[str, str] | None = None) -> Ranks:
         return SINGLE
     return Ranks(rank=_int(env, "RANK", 0), world=world, local_rank=_int(env, "LOCAL_RANK", 0),
                  local_world=_int(env, "LOCAL_WORLD_SIZE", world))
+
+
+_DEVICES = re.compile(r"\+{0,2}trainer\.devices=(\d+)")
+# Options after which dlpipe only prints or inspects, so there is nothing to start processes for.
+_NO_TRAINING = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--version", "--shell-completion", "-sc"}
+
+
+def devices_requested(args: list[str]) -> int:
+    """N from a `trainer.devices=N` override on the command line (the last one wins), else 1."""
+    n = 1
+    for arg in args:
+        m = _DEVICES.fullmatch(arg)
+        if m:
+            n = int(m.group(1))
+    return n
+
+
+def torchrun_command(args: list[str], environ: Mapping[str, str]) -> list[str] | None:
+    """The command that runs `dlpipe ARGS` as trainer.devices=N ranks under torchrun on this node,
+    or None when it should run as it is (one device, already a rank, or nothing to train)."""
+    n = devices_requested(args)
+    if n <= 1 or "WORLD_SIZE" in environ or _NO_TRAINING & set(args):
+        return None
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m", "dlpipe", *args]
 
 
 def export_submitit_env(environ=None) -> bool:

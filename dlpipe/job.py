@@ -66,10 +66,17 @@ def check_single_process(environ, task: str) -> None:
                           "(auto_workers already divides the CPUs by LOCAL_WORLD_SIZE when you set it)")
 
 
-def check_ranks(ranks, ctx: JobContext, device: str, environ) -> None:
+def check_ranks(ranks, ctx: JobContext, device: str, environ, devices: int = 1) -> None:
     """What data-parallel training cannot do, refused before anything starts."""
     if not ranks.distributed:
+        if devices > 1:  # the command-line shortcut restarts under torchrun; a config file cannot
+            raise ConfigError([f"trainer.devices={devices}: set in a config file, where it cannot start processes; "
+                               f"pass trainer.devices={devices} on the command line, or launch with "
+                               f"torchrun --nproc_per_node={devices} -m dlpipe ..."])
         return
+    if devices > 1 and devices != ranks.local_world:
+        raise ConfigError([f"trainer.devices={devices}: this node runs {ranks.local_world} ranks (LOCAL_WORLD_SIZE); "
+                           "leave trainer.devices at 1 under your own torchrun"])
     missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in environ]
     if missing:
         raise DlpipeError(f"WORLD_SIZE={ranks.world} without {', '.join(missing)}: start data-parallel training "
@@ -282,7 +289,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     from dlpipe import distributed
 
     ranks = distributed.ranks_from_env()
-    check_ranks(ranks, ctx, resolved["trainer"]["device"], os.environ)
+    check_ranks(ranks, ctx, resolved["trainer"]["device"], os.environ, resolved["trainer"]["devices"])
     if ranks.distributed and resolved["trainer"]["device"] == "cuda":
         import torch
 

@@ -107,6 +107,7 @@ BAD_INPUT = [
     (["loader.batch_size=abc"], "loader.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     (["loader.batch_size=["], "loader.batch_size=[: not a valid override"),
     (["loader=fast"], "loader=fast: no such loader option; available: auto, in_memory, pytorch"),
+    (["trainer.devices=0"], "trainer.devices=0: must be >= 1 (processes on this node, one per GPU)"),
     (["model=nope"], "model=nope: no such model option; available: cnn, mlp, transformer"),
     (["+recipe=nope"], "recipe=nope: no such recipe option; available: nlp, smoke, tabular, vision"),
     (["model.width=${oc.env:DLPIPE_TEST_UNSET}"], "model.width: KeyError raised while resolving interpolation"),

@@ -13,7 +13,7 @@ import torch
 
 from conftest import NO_PHONE_HOME, TESTS_DIR, runs_of
 from dlpipe.data.loader import EpochOrder
-from dlpipe.distributed import Ranks, device_for, ranks_from_env
+from dlpipe.distributed import Ranks, device_for, ranks_from_env, torchrun_command
 from dlpipe.errors import ConfigError, DlpipeError
 from dlpipe.job import JobContext, check_ranks
 
@@ -246,3 +246,32 @@ def test_epoch_metrics_are_the_whole_jobs_even_when_ranks_report_different_keys(
     assert got[0] == got[1]  # every rank logs and judges the same numbers
     assert got[0] == {"epoch": 1.0, "samples_per_s": 150.0, "epoch_time_s": 3.0, "cpu_util": 40.0,
                       "worker_rss_mean_mb": 10.0, "worker_rss_max_mb": 12.0, "val_loss": 0.5}
+
+
+def test_trainer_devices_on_the_command_line_restarts_under_torchrun(tmp_path, dlpipe, mlflow_store, mlflow_client):
+    r = dlpipe("+recipe=tabular", "dataset.size=512", "trainer.epochs=1", "trainer.progress=false",
+               "trainer.devices=2", f"tracking.uri={mlflow_store}", "tracking.experiment=devices-shortcut")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "trainer.devices=2: running 2 ranks as torchrun --standalone --nproc_per_node=2 -m dlpipe" in r.stderr
+    [run] = runs_of(mlflow_client, "devices-shortcut")
+    assert run.info.status == "FINISHED"
+    assert (run.data.params["dist.world_size"], run.data.params["trainer.devices"]) == ("2", "2")
+
+
+def test_when_trainer_devices_starts_torchrun():
+    cmd = torchrun_command(["+recipe=vision", "trainer.devices=4", "loader.batch_size=32"], {})
+    assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m"]
+    assert cmd[6:] == ["dlpipe", "+recipe=vision", "trainer.devices=4", "loader.batch_size=32"]
+    assert torchrun_command(["trainer.devices=4", "trainer.devices=1"], {}) is None  # the last one wins
+    assert torchrun_command(["trainer.devices=2"], {"WORLD_SIZE": "2"}) is None  # already a rank
+    assert torchrun_command(["trainer.devices=2", "--cfg", "job"], {}) is None  # only printing
+    assert torchrun_command(["+recipe=vision"], {}) is None
+
+
+def test_trainer_devices_must_match_the_ranks(tmp_path):
+    ctx = JobContext(tmp_path, [], None, multirun=False)
+    with pytest.raises(ConfigError, match="trainer.devices=2: set in a config file"):
+        check_ranks(Ranks(), ctx, "cpu", {}, devices=2)
+    with pytest.raises(ConfigError, match=r"trainer.devices=2: this node runs 4 ranks"):
+        check_ranks(Ranks(rank=0, world=4, local_world=4), ctx, "cpu", TORCHRUN_ENV, devices=2)
+    check_ranks(Ranks(rank=0, world=4, local_world=4), ctx, "cpu", TORCHRUN_ENV, devices=4)

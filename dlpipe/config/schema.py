@@ -59,6 +59,10 @@ class TrainerConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     device: str = "cpu"
     """torch device: cpu, cuda, cuda:N or mps."""
+    devices: int = 1
+    """Processes training data-parallel on this node, one per GPU (or gloo processes on the CPU).
+    `dlpipe ... trainer.devices=N` on the command line restarts dlpipe under `torchrun --standalone
+    --nproc_per_node=N`; under your own torchrun leave it at 1 (or equal to --nproc_per_node)."""
     amp: str = "off"
     """Mixed precision: off, bf16 or fp16 (fp16 uses a GradScaler)."""
     empty_cache_every: int = 0

@@ -43,6 +43,8 @@ def _check_trainer(c: TrainerConfig) -> list[str]:
         p.append(f"trainer.limit_train_batches={c.limit_train_batches}: must be >= 1, or -1 for all")
     if c.limit_val_batches < -1:
         p.append(f"trainer.limit_val_batches={c.limit_val_batches}: must be >= 0, or -1 for all")
+    if c.devices < 1:
+        p.append(f"trainer.devices={c.devices}: must be >= 1 (processes on this node, one per GPU)")
     if c.accumulate < 1:
         p.append(f"trainer.accumulate={c.accumulate}: must be >= 1 (micro-batches per optimizer step)")
     if c.grad_clip < 0:
