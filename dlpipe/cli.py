@@ -124,6 +124,13 @@ def _job(cfg: DictConfig):
         sys.exit(2)
 
 
+def with_overrides(argv: list[str], extra: list[str]) -> list[str]:
+    """argv with `extra` overrides placed right after the user's last override, so they win and
+    stay next to the others: Hydra's parser rejects overrides split by an option (`a=1 --cfg job b=2`)."""
+    last = max((i for i, arg in enumerate(argv[1:], 1) if "=" in arg and not arg.startswith("-")), default=len(argv) - 1)
+    return [*argv[: last + 1], *extra, *argv[last + 1 :]]
+
+
 def main() -> None:
     """Console-script entry point (`dlpipe ...`, `python -m dlpipe ...`)."""
     if sys.argv[1:2] == ["sync"]:
@@ -133,7 +140,7 @@ def main() -> None:
     if sys.argv[1:2] in (["bench"], ["tune"]):
         # `dlpipe bench ARGS` is `dlpipe ARGS task=bench`: the same Hydra app, so recipes,
         # overrides and --multirun work unchanged (last, after any --config-dir option)
-        sys.argv = [sys.argv[0], *sys.argv[2:], f"task={sys.argv[1]}"]
+        sys.argv = with_overrides([sys.argv[0], *sys.argv[2:]], [f"task={sys.argv[1]}"])
     command = torchrun_command(sys.argv[1:], os.environ)
     if command is not None:
         if {"--multirun", "-m"} & set(sys.argv[1:]):
@@ -150,7 +157,7 @@ def main() -> None:
     if ranks_from_env().rank > 0 and "SUBMITIT_EXECUTOR" not in os.environ:
         # A torchrun rank other than 0 writes nothing of its own: no run directory, Hydra record or
         # log file (its output directory comes from rank 0; see job.run). Last, so they win.
-        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+        sys.argv = with_overrides(sys.argv, ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
     import hydra
 
     # Registered before Hydra starts, so they are pickled with the task for launcher jobs.

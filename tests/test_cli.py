@@ -409,3 +409,15 @@ def test_help_lists_groups_and_recipes(dlpipe):
     assert r.returncode == 0
     assert "recipe: nlp, smoke, tabular, vision" in r.stdout
     assert "loader: auto, in_memory, pytorch" in r.stdout
+
+
+def test_subcommands_keep_overrides_together_with_options_after_them(dlpipe):
+    """`dlpipe bench a=1 --cfg job`: the added task=bench must not land after --cfg's value,
+    where Hydra's parser rejects a second run of overrides."""
+    from dlpipe.cli import with_overrides
+
+    assert with_overrides(["dlpipe", "a=1", "--cfg", "job"], ["t=1"]) == ["dlpipe", "a=1", "t=1", "--cfg", "job"]
+    assert with_overrides(["dlpipe", "--config-dir=d", "--cfg", "job"], ["t=1"]) == ["dlpipe", "--config-dir=d", "--cfg", "job", "t=1"]
+    r = dlpipe("bench", "+recipe=tabular", "--cfg", "job")
+    assert r.returncode == 0, r.stderr
+    assert "task: bench" in r.stdout
