@@ -85,6 +85,10 @@ MIN_CPU_SPAN_S = 0.1
 LEVEL_KEYS = ("rss_mb", "workers_rss_mb", "worker_rss_max_mb", "workers_alive", "sys_mem_used_pct", "shm_used_mb", "gpu_util", "gpu_mem_used_mb")
 
 
+# How multiprocessing starts its helper processes: `python -c 'from multiprocessing.<name> import main...'`.
+HELPER_MARK = "from multiprocessing."
+
+
 class ResourceSampler:
     """Samples CPU (this process and its DataLoader workers), RSS, system memory and GPU on a thread.
 
@@ -101,6 +105,7 @@ class ResourceSampler:
         self._proc = psutil.Process()
         self._main_cpu_s = 0.0  # this process's own cumulative CPU at the last sample
         self._workers_cpu_s = 0.0  # high-water mark of the descendants' cumulative CPU (see _sample)
+        self._helpers: dict[int, bool] = {}  # pid -> is a multiprocessing helper (see _is_helper)
         self._last_t = time.monotonic()
         self._samples: list[dict[str, float]] = []
         self._lock = threading.Lock()
@@ -149,18 +154,30 @@ class ResourceSampler:
         t = self._proc.cpu_times()
         main = t.user + t.system
         descendants = t.children_user + t.children_system
-        rss = biggest = 0
-        kids = self._proc.children(recursive=True)
-        for p in kids:
+        rss = biggest = workers = 0
+        for p in self._proc.children(recursive=True):
             try:
                 c = p.cpu_times()
-                own = p.memory_info().rss
-                rss += own
-                biggest = max(biggest, own)
+                helper = self._is_helper(p)
+                own = 0 if helper else p.memory_info().rss
             except psutil.Error:
                 continue  # exited after the listing: _sample's high-water mark covers the gap
+            # A helper's CPU still counts: the forkserver's children times hold its reaped workers'.
             descendants += c.user + c.system + c.children_user + c.children_system
-        return main, descendants, rss, biggest, len(kids)
+            if not helper:
+                rss += own
+                biggest = max(biggest, own)
+                workers += 1
+        return main, descendants, rss, biggest, workers
+
+    def _is_helper(self, p: psutil.Process) -> bool:
+        """multiprocessing's resource tracker or forkserver (spawn/forkserver start them): children
+        of ours that live all run long but are not DataLoader workers. Cached by pid."""
+        known = self._helpers.get(p.pid)
+        if known is None:
+            known = any(HELPER_MARK in part for part in p.cmdline())
+            self._helpers[p.pid] = known
+        return known
 
     def _sample(self) -> None:
         # The thread and window() both sample; the CPU-time deltas must not interleave.

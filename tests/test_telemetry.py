@@ -227,3 +227,17 @@ def test_summary_table_omits_empty_columns_and_marks_missing_cells():
     assert [float(r[3]) for r in cells[1:]] == pytest.approx([1234.6, 1500.0])
     for absent in ("val acc", "gpu %", "cpu %", "rss MB", "data wait", "epoch s"):
         assert absent not in cells[0]
+
+
+def test_multiprocessing_helpers_are_not_counted_as_workers():
+    """The resource tracker (started by spawn/forkserver loaders, alive as long as this process) is
+    a child of ours but no DataLoader worker."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    sampler = ResourceSampler(interval_s=5.0, cpu_budget=2).start()
+    try:
+        w = sampler.window()
+    finally:
+        sampler.stop()
+    assert w["workers_alive"] == 0
