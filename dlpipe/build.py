@@ -121,7 +121,7 @@ def build_loaders(resolved: dict, train_set, val_set, rank: int = 0, world: int 
     if len(train.loader) == 0:
         raise ConfigError([
             f"loader.batch_size={lc['batch_size']} with loader.drop_last={str(lc['drop_last']).lower()}: the training "
-            f"split has {len(train.loader.sampler) if world > 1 else len(train_set)} samples{' per rank' if world > 1 else ''}, so there is no batch to train on; lower batch_size or set drop_last=false"
+            f"split has {len(train.loader.sampler)} samples{' per rank' if world > 1 else ''}, so there is no batch to train on; lower batch_size or set drop_last=false"
         ])
     val = None
     if val_set is not None:

@@ -143,14 +143,14 @@ def main() -> None:
         sys.argv = with_overrides([sys.argv[0], *sys.argv[2:]], [f"task={sys.argv[1]}"])
     command = torchrun_command(sys.argv[1:], os.environ)
     if command is not None:
+        n = devices_requested(sys.argv[1:])
         if {"--multirun", "-m"} & set(sys.argv[1:]):
-            print(f"dlpipe: error: trainer.devices={devices_requested(sys.argv[1:])} with --multirun: a sweep's jobs cannot "
+            print(f"dlpipe: error: trainer.devices={n} with --multirun: a sweep's jobs cannot "
                   "each start torchrun here; use hydra/launcher=slurm_node (a task per GPU) or one torchrun per job",
                   file=sys.stderr)
             sys.exit(2)
         # Restarted as torchrun's ranks. Restarts share no TCP store (they were unreliable with it).
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        n = devices_requested(sys.argv[1:])
         print(f"dlpipe: trainer.devices={n}: running {n} ranks as torchrun --standalone --nproc_per_node={n} -m dlpipe ...",
               file=sys.stderr, flush=True)
         os.execve(sys.executable, command, env)

@@ -26,6 +26,12 @@ class DataError(DlpipeError):
     """A dataset cannot be built or read (missing folder, unreadable image, bad parameters)."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def user_message(exc: BaseException) -> list[str]:
     """The lines to show a user for `exc`, without the worker traceback PyTorch wraps around it.
 

@@ -18,7 +18,7 @@ import yaml
 from dlpipe import hardware
 from dlpipe.config.decisions import explain
 from dlpipe.config.validation import validate
-from dlpipe.errors import ConfigError, DataError, DlpipeError
+from dlpipe.errors import ConfigError, DataError, DlpipeError, first_line
 from dlpipe.outbox import OUTBOX_FILE, connect_error
 from dlpipe.redact import redact_text, redact_tree
 
@@ -60,9 +60,11 @@ def _git_commit() -> str | None:
 def check_single_process(environ, task: str) -> None:
     """`dlpipe bench` and `dlpipe tune` measure one process's loader: N ranks would measure N
     copies of it competing for the same CPUs and write the same files."""
-    world = environ.get("WORLD_SIZE", "1")
-    if world.isdigit() and int(world) > 1:
-        raise DlpipeError(f"WORLD_SIZE={world}: dlpipe {task} measures one process; run it without torchrun "
+    from dlpipe.distributed import ranks_from_env
+
+    ranks = ranks_from_env(environ)
+    if ranks.distributed:
+        raise DlpipeError(f"WORLD_SIZE={ranks.world}: dlpipe {task} measures one process; run it without torchrun "
                           "(auto_workers already divides the CPUs by LOCAL_WORLD_SIZE when you set it)")
 
 
@@ -159,8 +161,7 @@ def open_run(ctx: JobContext, tracking: dict, tags: dict[str, str], resume_run_i
     except DlpipeError:
         raise
     except Exception as e:  # MLflow raises many types for a bad URI or an unreachable server
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DlpipeError(f"tracking.uri={redact_text(tracking['uri'])}: cannot start an MLflow run ({redact_text(first)}); use tracking=none to train without tracking") from e
+        raise DlpipeError(f"tracking.uri={redact_text(tracking['uri'])}: cannot start an MLflow run ({redact_text(first_line(e))}); use tracking=none to train without tracking") from e
 
 
 def check_tracking_reachable(tracking: dict) -> None:
@@ -373,11 +374,7 @@ def train(ctx: JobContext, raw: dict, resolved: dict, decided: dict[str, str], r
                             telemetry["profile_wait"], device_type)
     allocations = AllocationSnapshot(profile_dir, telemetry["tracemalloc"] and ranks.is_main)
     loader = train_plan.loader
-    peers = None
-    if ranks.distributed:
-        from dlpipe.distributed import Collectives
-
-        peers = Collectives(ranks, torch.device(settings.device))
+    peers = distributed.Collectives(ranks, torch.device(settings.device)) if ranks.distributed else None
     trainer = Trainer(model, optimizer, settings, sampler=sampler, profiler=profiler if profiler.enabled else None,
                       peers=peers)
 
@@ -445,8 +442,7 @@ def train(ctx: JobContext, raw: dict, resolved: dict, decided: dict[str, str], r
             raise DlpipeError(out_of_memory_advice(resolved, e)) from e
         except RuntimeError as e:
             if ranks.distributed and distributed.lost_peer(e):
-                first = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise DlpipeError(f"another rank left the job mid-step ({first[:200]}); its own error, "
+                raise DlpipeError(f"another rank left the job mid-step ({first_line(e)[:200]}); its own error, "
                                   "printed by that rank, is the cause") from e
             why = explain_loader_failure(e, resolved["loader"])
             if why is None:

@@ -77,13 +77,11 @@ def lint_loader(loader: dict, epochs: int, facts: LoaderFacts) -> list[str]:
 
 def lint_job(resolved: dict, train_size: int, batch_bytes: int, cpu_budget: int) -> list[str]:
     """The lint for a resolved job config on this machine."""
-    import os
-
+    from dlpipe.distributed import ranks_from_env
     from dlpipe.hardware import shm_free_bytes
 
-    world = os.environ.get("WORLD_SIZE", "1")
     facts = LoaderFacts(
         cpu_budget=cpu_budget, cuda=resolved["trainer"]["device"].startswith("cuda"), train_size=train_size,
-        batch_bytes=batch_bytes, shm_free_bytes=shm_free_bytes(), world_size=int(world) if world.isdigit() else 1,
+        batch_bytes=batch_bytes, shm_free_bytes=shm_free_bytes(), world_size=ranks_from_env().world,
     )
     return lint_loader(resolved["loader"], resolved["trainer"]["epochs"], facts)

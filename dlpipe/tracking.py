@@ -23,7 +23,7 @@ import os
 import time
 from pathlib import Path
 
-from dlpipe.errors import DlpipeError, user_message
+from dlpipe.errors import DlpipeError, first_line, user_message
 from dlpipe.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, unreachable
 
 log = logging.getLogger(__name__)
@@ -199,9 +199,8 @@ class MlflowRun:
 
     def _went_away(self, error: Exception) -> None:
         self.offline_since = self._last_attempt = time.monotonic()
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
         log.warning("tracking server unreachable (%s): training continues; metrics are kept in %s and "
-                    "sent when it is back", first[:200], self.outbox.path or "memory")
+                    "sent when it is back", first_line(error)[:200], self.outbox.path or "memory")
 
     def _reconnect(self, force: bool = False) -> bool:
         """Deliver the kept writes if the server answers again (tried at most every retry_every_s)."""

@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from dlpipe.errors import DataError
+from dlpipe.errors import DataError, first_line
 
 # ImageNet statistics: the usual choice, and close enough for synthetic images that nothing depends on it.
 MEAN = (0.485, 0.456, 0.406)
@@ -261,6 +261,6 @@ class ImageFolderDataset(Dataset):
             img = _load_rgb(path)
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
             # Pillow reports truncated/corrupt files with several types; the first line is enough.
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise DataError(f"dataset.root={self.root!r}: cannot decode image {path!r} (index {index}): {reason}") from exc
+            raise DataError(f"dataset.root={self.root!r}: cannot decode image {path!r} (index {index}): "
+                            f"{first_line(exc)}") from exc
         return _to_tensor(_resize_shorter(img, self.image_size), self.crop_size, self.augment), label
