@@ -43,13 +43,15 @@ PUBLISHED = "Published case study: GPU utilisation 65% -> 89%, epoch 53 -> 37 mi
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2, help="rounds of both settings (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a dlpipe override passed to every run, repeatable (e.g. --set dataset.size=20000)")
     p.add_argument("--out", type=Path, help="also write the markdown table to this file")
     p.add_argument("--workdir", type=Path,
-                   help="keep the MLflow store (m.db), Hydra outputs and run logs here (default: a temporary directory)")
+                   help="keep the MLflow store (m.db), Hydra outputs and run logs here "
+                        "(default: a temporary directory)")
     p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU (for testing the script)")
     args = p.parse_args(argv)
     if args.rounds < 1:

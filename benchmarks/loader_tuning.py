@@ -7,7 +7,7 @@ Two pipelines, chosen because they want opposite settings:
 - in-memory: `TabularDataset` (feature vectors in one tensor), where workers only add IPC.
 
 For each pipeline:
-1. the tuner (`dlpipe.tune.Search` with `measure_candidate`, exactly what `dlpipe tune` runs,
+1. the tuner (`dlpipe.loader.search.Search` with `measure_candidate`, exactly what `dlpipe tune` runs,
    without MLflow) searches from the automatic config; its wall time is the tuner's cost;
 2. the exhaustive grid: num_workers over the ladder up to the CPU budget + 2, x prefetch_factor
    {1, 2, 4} x persistent_workers {false, true}, plus num_workers=0, plus the automatic and the
@@ -16,8 +16,9 @@ For each pipeline:
    of them); a config's figure is its median samples/s;
 3. ratios from those medians: automatic / best of grid (goal >= 0.9), tuned / best of grid (goal
    >= 0.97), and for reference PyTorch's default (num_workers=0) and Lightning's suggested worker
-   count (usable CPUs // devices - 1) / best of grid; and the tuner's cost against the grid's at the same measurements per config as the
-   tuner (`--repeats`), from the grid's measured time (goal <= 1/3).
+   count (usable CPUs // devices - 1) / best of grid; and the tuner's cost against the grid's at
+   the same measurements per config as the tuner (`--repeats`), from the grid's measured time
+   (goal <= 1/3).
 Goals are printed as met or not; they never change the exit status.
 """
 
@@ -35,18 +36,20 @@ if not __package__:  # run as `python benchmarks/loader_tuning.py` from a checko
 
 from dlpipe import hardware  # noqa: E402
 from dlpipe.config import decisions  # noqa: E402
-from dlpipe.data.probe import item_fetch_seconds  # noqa: E402
-from dlpipe.tune import LADDER, Candidate, Search, measure_candidate  # noqa: E402
+from dlpipe.loader.probe import item_fetch_seconds  # noqa: E402
+from dlpipe.loader.search import LADDER, Candidate, Search, measure_candidate  # noqa: E402
 
 GOALS = {"auto": 0.9, "tuned": 0.97, "cost": 1 / 3}
 EPOCHS = 3  # what the automatic persistent_workers decision is told the run will train for
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5, help="measured rounds of the whole grid (default 5)")
     p.add_argument("--repeats", type=int, default=3, help="the tuner's measurements per candidate (default 3)")
-    p.add_argument("--batches", type=int, default=50, help="batches per measurement, after warm-up (default 50, as dlpipe tune)")
+    p.add_argument("--batches", type=int, default=50,
+                   help="batches per measurement, after warm-up (default 50, as dlpipe tune)")
     p.add_argument("--warmup", type=int, default=4, help="warm-up batches per measurement (default 4)")
     p.add_argument("--decode-size", type=int, default=1024, help="images in the decode pipeline (default 1024)")
     p.add_argument("--image-size", type=int, default=160, help="stored JPEG side in pixels (default 160)")
@@ -74,10 +77,10 @@ def pipelines(args):
 
 def automatic(dataset, batch: int) -> Candidate:
     """What loader=auto resolves to here: the resolvers' decisions, then the workers fitted to the
-    data (`dlpipe.build.fit_workers_to_data`: none when items are cheap to fetch in-process)."""
+    data (`dlpipe.tasks.build.fit_loader_to_data`: none when items are cheap to fetch in-process)."""
     workers = decisions.workers_for_data(decisions.workers().value, item_fetch_seconds(dataset, batch)).value
     return Candidate(workers, decisions.prefetch(workers).value,
-                     decisions.persistent(workers, EPOCHS, len(dataset)).value, decisions.cuda_available().value)
+                     decisions.persistent(workers, EPOCHS, len(dataset), batch).value, decisions.cuda_available().value)
 
 
 def lightning_suggestion(pin: bool) -> Candidate:
@@ -94,7 +97,8 @@ def grid(budget: int, pin: bool) -> list[Candidate]:
 
 
 def run_pipeline(name: str, dataset, batch: int, args, budget: int) -> tuple[list[str], dict[str, float]]:
-    settings = {"batch_size": batch, "shuffle": True, "drop_last": False, "timeout": 0.0, "multiprocessing_context": None}
+    settings = {"batch_size": batch, "shuffle": True, "drop_last": False, "timeout": 0.0,
+                "multiprocessing_context": None}
 
     def measure(c: Candidate, repeats: int):
         return measure_candidate(c, dataset, settings, args.batches, args.warmup, repeats, seed=0, cuda=False)
@@ -136,7 +140,8 @@ def run_pipeline(name: str, dataset, batch: int, args, budget: int) -> tuple[lis
     for label, c in (("best of grid", best), ("automatic (loader=auto)", auto), ("tuned (dlpipe tune)", tuned),
                      ("PyTorch default", pytorch_default), ("Lightning's suggestion", lightning)):
         v = figures[c]
-        lines.append(f"| {label}: {c.label()} | {median[c]:.1f} | {min(v):.1f}-{max(v):.1f} | {median[c] / median[best]:.3f} |")
+        lines.append(f"| {label}: {c.label()} | {median[c]:.1f} | {min(v):.1f}-{max(v):.1f} | "
+                     f"{median[c] / median[best]:.3f} |")
     lines += [
         "",
         f"Tuner: {len(search.trials)} candidates x {args.repeats} measurements in {tuner_s:.1f} s; the grid of "
@@ -162,9 +167,12 @@ def main(argv=None) -> int:
         lines, result = run_pipeline(name, dataset, batch, args, budget)
         report += lines
         verdicts.append(
-            f"{name}: automatic {result['auto']:.3f} (goal >= {GOALS['auto']}: {'met' if result['auto'] >= GOALS['auto'] else 'not met'}), "
-            f"tuned {result['tuned']:.3f} (goal >= {GOALS['tuned']}: {'met' if result['tuned'] >= GOALS['tuned'] else 'not met'}), "
-            f"tuner cost {result['cost']:.2f} of the grid (goal <= 0.33: {'met' if result['cost'] <= GOALS['cost'] else 'not met'})"
+            f"{name}: automatic {result['auto']:.3f} "
+            f"(goal >= {GOALS['auto']}: {'met' if result['auto'] >= GOALS['auto'] else 'not met'}), "
+            f"tuned {result['tuned']:.3f} "
+            f"(goal >= {GOALS['tuned']}: {'met' if result['tuned'] >= GOALS['tuned'] else 'not met'}), "
+            f"tuner cost {result['cost']:.2f} of the grid "
+            f"(goal <= 0.33: {'met' if result['cost'] <= GOALS['cost'] else 'not met'})"
         )
     report += ["Goals:", ""] + [f"- {v}" for v in verdicts]
     text = "\n".join(report) + "\n"

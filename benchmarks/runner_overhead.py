@@ -8,7 +8,7 @@ The same model (same seed) trains on the same batches for the same number of opt
 read from one DataLoader over tensors in memory (num_workers=0), on the CPU:
 - A: `for x, y in loader: loss = cross_entropy(model(x), y); loss.backward(); opt.step(); opt.zero_grad()`,
   with accumulation as a hand-written loop does it (loss / k, step every k micro-batches);
-- B: `dlpipe.runner.Trainer` with an MLflow run (SQLite in a temporary folder) as its metrics sink
+- B: `dlpipe.training.runner.Trainer` with an MLflow run (SQLite in a temporary folder) as its metrics sink
   and a running `ResourceSampler`, default log_every (50), no progress bar; timed: building the
   trainer, starting and stopping the sampler and fit() (which writes the metrics at the epoch end).
   Creating and ending the MLflow run are per-run constants, reported on their own;
@@ -21,6 +21,7 @@ both models. Without Lightning installed, C is reported as not installed.
 """
 
 import argparse
+import functools
 import logging
 import os
 import platform
@@ -39,15 +40,17 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from dlpipe.models.cnn import SmallCNN  # noqa: E402
 from dlpipe.models.mlp import MLP  # noqa: E402
-from dlpipe.runner import Trainer, TrainSettings  # noqa: E402
-from dlpipe.telemetry import ResourceSampler  # noqa: E402
-from dlpipe.tracking import MlflowRun  # noqa: E402
+from dlpipe.schema import TrainerConfig  # noqa: E402
+from dlpipe.telemetry.sampler import ResourceSampler  # noqa: E402
+from dlpipe.tracking.run import MlflowRun  # noqa: E402
+from dlpipe.training.runner import Trainer  # noqa: E402
 
 GOAL = 0.97
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps per run (default 1000)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per micro-batch (default 64)")
@@ -101,7 +104,7 @@ def run_dlpipe(model_name: str, loader: DataLoader, steps: int, accumulate: int,
     each epoch end; creating and ending the MLflow run are per-run constants, timed on their own."""
     model = make_model(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    settings = TrainSettings(epochs=1, max_steps=steps, accumulate=accumulate, device="cpu", progress=False)
+    settings = TrainerConfig(epochs=1, max_steps=steps, accumulate=accumulate, device="cpu", progress=False)
     opened = time.perf_counter()
     run = MlflowRun(uri, "runner-overhead", f"dlpipe {model_name}", {"dlpipe.role": "benchmark"})
     constant = time.perf_counter() - opened
@@ -164,9 +167,9 @@ def main(argv=None) -> int:
             for accumulate in (int(a) for a in args.accumulate.split(",")):
                 loader = make_loader(model_name, args.steps * accumulate, args.batch_size)
                 runners = {
-                    "A": lambda: run_plain(model_name, loader, args.steps, accumulate),
-                    "B": lambda: run_dlpipe(model_name, loader, args.steps, accumulate, uri),
-                    "C": lambda: run_lightning(model_name, loader, args.steps, accumulate),
+                    "A": functools.partial(run_plain, model_name, loader, args.steps, accumulate),
+                    "B": functools.partial(run_dlpipe, model_name, loader, args.steps, accumulate, uri),
+                    "C": functools.partial(run_lightning, model_name, loader, args.steps, accumulate),
                 }
                 for run in runners.values():
                     run()  # warm-up
@@ -182,7 +185,8 @@ def main(argv=None) -> int:
                 b_ratio = [b / x for b, x in zip(results["B"], a)]
                 lightning = None not in results["C"]
                 c_ratio = [c / x for c, x in zip(results["C"], a)] if lightning else []
-                rows.append(f"| {model_name} | {accumulate} | {spread(a, '{:.1f}')} | {spread(results['B'], '{:.1f}')} | "
+                rows.append(f"| {model_name} | {accumulate} | {spread(a, '{:.1f}')} | "
+                            f"{spread(results['B'], '{:.1f}')} | "
                             f"{spread(b_ratio, '{:.3f}')} | "
                             + (f"{spread(results['C'], '{:.1f}')} | {spread(c_ratio, '{:.3f}')} |" if lightning
                                else "not installed | - |"))

@@ -62,7 +62,8 @@ ONE_STEP = ["+recipe=tabular", "trainer.max_steps=1", "trainer.val_fraction=0", 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
     p.add_argument("--out", type=Path, help="also write the markdown table to this file")
     args = p.parse_args(argv)

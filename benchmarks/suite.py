@@ -85,16 +85,19 @@ def benchmark_names(value: str) -> list[str]:
     if not names:
         raise argparse.ArgumentTypeError(f"expected NAME[,NAME], from {','.join(known)}")
     if unknown:
-        raise argparse.ArgumentTypeError(f"no benchmark named {' or '.join(map(repr, unknown))}; choose from {','.join(known)}")
+        raise argparse.ArgumentTypeError(f"no benchmark named {' or '.join(map(repr, unknown))}; "
+                                         f"choose from {','.join(known)}")
     return [n for n in known if n in names]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, metavar="N", help="rounds passed to every script (default: each script's own; 1 with --quick)")
+    p.add_argument("--rounds", type=int, metavar="N",
+                   help="rounds passed to every script (default: each script's own; 1 with --quick)")
     p.add_argument("--only", type=benchmark_names, metavar="NAME[,NAME]",
                    help=f"run only these scripts (default: all of {', '.join(b.name for b in BENCHMARKS)})")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, to check that everything runs (figures mean nothing)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, to check that everything runs (figures mean nothing)")
     p.add_argument("--out", type=Path, metavar="FILE", help="also write the report to this file")
     args = p.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:

@@ -2,7 +2,7 @@
 
     python -m benchmarks.telemetry_overhead --rounds 5 --steps 300 [--out telemetry.md]
 
-A: `dlpipe.runner.Trainer` with no ResourceSampler and a no-op metrics sink.
+A: `dlpipe.training.runner.Trainer` with no ResourceSampler and a no-op metrics sink.
 B: the same Trainer with a running `ResourceSampler(0.5)` and an MLflow run (`dlpipe.tracking.MlflowRun`
    to a SQLite store in a temporary directory) as the metrics sink, with log_every=1: one
    `train_loss_step` metric per optimizer step, the worst case (the default is 50).
@@ -12,8 +12,9 @@ visible), with the same log_every and progress off; the step clock runs in both 
 loop). A and B differ only in the sampler and the sink.
 
 Timed: `fit()` (which writes the buffered metrics at each epoch end) and, for B, a final flush of
-anything still buffered, since those writes are part of the loop's cost. Not timed: creating and ending the run and starting and stopping
-the sampler, which are per-run constants rather than per-step costs.
+anything still buffered, since those writes are part of the loop's cost. Not timed: creating and
+ending the run and starting and stopping the sampler, which are per-run constants rather than
+per-step costs.
 
 One warm-up round of each, then `--rounds` rounds with A and B interleaved (the order alternates,
 A-B then B-A, so drift on a shared machine falls on both). Reported: steps/s median and min-max for
@@ -23,8 +24,9 @@ overhead); whether it was met is printed, and never changes the exit status.
 What B adds per step with log_every=1 (2 CPUs, profiled): buffering the metric ~0.4 us, the
 sampler thread ~1.6 ms of CPU every 0.5 s (~0.3%), and writing the row at the epoch's flush:
 75-200 us per row in MLflow's SQL store (its log_batch), which is nearly all of B's cost against
-SQLite. The loss `.item()` and the step clock run in A too. On a busy machine torch's thread pool makes steps/s swing several-fold from
-run to run; `--threads 1` steadies it (the table says how many threads ran).
+SQLite. The loss `.item()` and the step clock run in A too. On a busy machine torch's thread pool
+makes steps/s swing several-fold from run to run; `--threads 1` steadies it (the table says how
+many threads ran).
 """
 
 import argparse
@@ -42,16 +44,19 @@ if not __package__:  # run as `python benchmarks/telemetry_overhead.py` from a c
 import torch  # noqa: E402
 
 from dlpipe.models.mlp import MLP  # noqa: E402
-from dlpipe.runner import NoMetrics, Trainer, TrainSettings  # noqa: E402
-from dlpipe.telemetry import ResourceSampler  # noqa: E402
-from dlpipe.tracking import MlflowRun  # noqa: E402
+from dlpipe.schema import TrainerConfig  # noqa: E402
+from dlpipe.telemetry.sampler import ResourceSampler  # noqa: E402
+from dlpipe.tracking.run import MlflowRun  # noqa: E402
+from dlpipe.training.runner import NoMetrics, Trainer  # noqa: E402
 
 GOAL = 0.98  # B/A: telemetry may cost under 2% of steps/s
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds of A and B, after one warm-up round (default 5)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="measured rounds of A and B, after one warm-up round (default 5)")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps per run, one epoch (default 2000)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per step (default 64)")
     p.add_argument("--in-features", type=int, default=32, help="MLP input width (default 32)")
@@ -82,7 +87,7 @@ def make_trainer(args, metrics, sampler) -> Trainer:
     torch.manual_seed(0)  # the same initial weights in every run
     model = MLP(in_features=args.in_features, num_classes=4, hidden=args.hidden, depth=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    settings = TrainSettings(epochs=1, device="cpu", log_every=args.log_every, progress=False)
+    settings = TrainerConfig(epochs=1, device="cpu", log_every=args.log_every, progress=False)
     return Trainer(model, optimizer, settings, metrics=metrics, sampler=sampler)
 
 
@@ -127,7 +132,8 @@ def report(args, a: list[float], b: list[float]) -> tuple[str, bool]:
     met = ratio >= GOAL
     rows = [
         ("A: no telemetry (no sampler, no-op sink)", *spread(a, "{:.1f}")),
-        (f"B: ResourceSampler({args.interval:g} s) + MLflow sink (SQLite), log_every={args.log_every}", *spread(b, "{:.1f}")),
+        (f"B: ResourceSampler({args.interval:g} s) + MLflow sink (SQLite), log_every={args.log_every}",
+         *spread(b, "{:.1f}")),
         ("ratio B/A (median of per-round ratios)", *spread(ratios, "{:.3f}")),
     ]
     lines = [
@@ -141,7 +147,8 @@ def report(args, a: list[float], b: list[float]) -> tuple[str, bool]:
         "|---|---|---|",
         *[f"| {name} | {median} | {low_high} |" for name, median, low_high in rows],
         "",
-        f"goal B/A >= {GOAL} (under {100 * (1 - GOAL):.0f}% overhead): {'met' if met else 'not met'} (B/A = {ratio:.3f}).",
+        f"goal B/A >= {GOAL} (under {100 * (1 - GOAL):.0f}% overhead): "
+        f"{'met' if met else 'not met'} (B/A = {ratio:.3f}).",
     ]
     return "\n".join(lines) + "\n", met
 

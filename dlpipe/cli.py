@@ -1,7 +1,8 @@
-"""The `dlpipe` command: compose the config with Hydra, check it, then hand it to `job.run`.
+"""The `dlpipe` command: compose the config with Hydra, check it, then hand it to a task's `run`.
 
-Only this module and `callbacks` touch Hydra's runtime. Nothing heavy (torch, mlflow) is
-imported until a job actually runs, so `dlpipe --help` and `dlpipe --cfg job` stay fast.
+Only this module, `config/` and the sweep callback (`tracking/sweep.py`) touch Hydra's runtime.
+Nothing heavy (torch, mlflow) is imported until a job actually runs, so `dlpipe --help` and
+`dlpipe --cfg job` stay fast.
 """
 
 import logging
@@ -16,12 +17,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dlpipe.config.composition_errors import one_line
 from dlpipe.config.paths import conf_dir
-from dlpipe.config.recipes import register_recipes
 from dlpipe.config.resolvers import register_resolvers
-from dlpipe.config.schema import register_schemas
-from dlpipe.distributed import devices_requested, export_submitit_env, ranks_from_env, torchrun_command
+from dlpipe.config.store import register_recipes, register_schemas
 from dlpipe.errors import ConfigError, DlpipeError, user_message
-from dlpipe.requeue import requeue_through_submitit
+from dlpipe.stop import Terminated
+from dlpipe.training.distributed import devices_requested, export_submitit_env, ranks_from_env, torchrun_command
+from dlpipe.training.requeue import requeue_through_submitit
 
 log = logging.getLogger("dlpipe")
 
@@ -72,19 +73,32 @@ def remove_if_half_made(output_dir: Path, job_name: str) -> None:
         parent = parent.parent
 
 
+def _task_module(task: str):
+    """The module whose run(ctx, raw, resolved) carries out `task` (validation names a bad one)."""
+    if task == "bench":
+        from dlpipe.tasks import bench
+
+        return bench
+    if task == "tune":
+        from dlpipe.tasks import tune
+
+        return tune
+    from dlpipe.tasks import train
+
+    return train
+
+
 def _job(cfg: DictConfig):
     """Hydra's task function: one training job (one per sweep point with --multirun)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from dlpipe.tracking import Terminated
-
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     try:
-        from dlpipe import job
+        from dlpipe.tasks.common import JobContext
 
-        ctx = job.JobContext(
+        ctx = JobContext(
             output_dir=Path(hc.runtime.output_dir),
             # as typed: an override like x=${oc.env:V} must not be resolved just to be listed
             overrides=OmegaConf.to_container(hc.overrides.task, resolve=False),
@@ -93,14 +107,7 @@ def _job(cfg: DictConfig):
         )
         # Before resolving: ${auto_workers:} divides the CPUs by the ranks on this node.
         export_submitit_env()
-        task = cfg.get("task", "train")
-        if task == "bench":
-            from dlpipe import bench as task_module
-        elif task == "tune":
-            from dlpipe import tune as task_module
-        else:
-            task_module = job
-        return task_module.run(ctx, *resolve(cfg))
+        return _task_module(cfg.get("task", "train")).run(ctx, *resolve(cfg))
     except KeyboardInterrupt:
         print("dlpipe: interrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(130)
@@ -127,14 +134,15 @@ def _job(cfg: DictConfig):
 def with_overrides(argv: list[str], extra: list[str]) -> list[str]:
     """argv with `extra` overrides placed right after the user's last override, so they win and
     stay next to the others: Hydra's parser rejects overrides split by an option (`a=1 --cfg job b=2`)."""
-    last = max((i for i, arg in enumerate(argv[1:], 1) if "=" in arg and not arg.startswith("-")), default=len(argv) - 1)
+    overrides = [i for i, arg in enumerate(argv[1:], 1) if "=" in arg and not arg.startswith("-")]
+    last = max(overrides, default=len(argv) - 1)
     return [*argv[: last + 1], *extra, *argv[last + 1 :]]
 
 
 def main() -> None:
     """Console-script entry point (`dlpipe ...`, `python -m dlpipe ...`)."""
     if sys.argv[1:2] == ["sync"]:
-        from dlpipe import sync
+        from dlpipe.tasks import sync
 
         sys.exit(sync.main(sys.argv[2:]))
     if sys.argv[1:2] in (["bench"], ["tune"]):
@@ -151,12 +159,13 @@ def main() -> None:
             sys.exit(2)
         # Restarted as torchrun's ranks. Restarts share no TCP store (they were unreliable with it).
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        print(f"dlpipe: trainer.devices={n}: running {n} ranks as torchrun --standalone --nproc_per_node={n} -m dlpipe ...",
+        print(f"dlpipe: trainer.devices={n}: running {n} ranks as "
+              f"torchrun --standalone --nproc_per_node={n} -m dlpipe ...",
               file=sys.stderr, flush=True)
         os.execve(sys.executable, command, env)
     if ranks_from_env().rank > 0 and "SUBMITIT_EXECUTOR" not in os.environ:
         # A torchrun rank other than 0 writes nothing of its own: no run directory, Hydra record or
-        # log file (its output directory comes from rank 0; see job.run). Last, so they win.
+        # log file (its output directory comes from rank 0; see tasks/train.py). Last, so they win.
         sys.argv = with_overrides(sys.argv, ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
     import hydra
 

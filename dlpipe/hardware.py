@@ -151,6 +151,11 @@ def _positive_int(value: str | None) -> int | None:
     return number if number >= 1 else None
 
 
+def world_size(environ: Mapping[str, str] | None = None) -> int:
+    """Processes in this job (torchrun's WORLD_SIZE), 1 when not set."""
+    return _positive_int((os.environ if environ is None else environ).get("WORLD_SIZE")) or 1
+
+
 def cpu_budget(
     *,
     proc_root: str = "/proc",
@@ -177,7 +182,7 @@ def cpu_budget(
     slurm_cpus = _positive_int(env.get("SLURM_CPUS_PER_TASK"))
     local_world_size = _positive_int(env.get("LOCAL_WORLD_SIZE")) or 1
     step_tasks = _positive_int(env.get("SLURM_STEP_NUM_TASKS"))
-    world = _positive_int(env.get("WORLD_SIZE")) or 1
+    world = world_size(env)
     # torchrun inside one Slurm task: its ranks share the task's CPUs. One srun task per rank: each
     # has its own SLURM_CPUS_PER_TASK (and, with task binding, its own affinity); only the job's
     # cgroup on this node is shared by the node's ranks.

@@ -26,7 +26,8 @@ def dlpipe(tmp_path):
     """Run `python -m dlpipe ARGS` in tmp_path (no checkout on the path: the installed package's conf is used)."""
 
     def run(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD"))}
+        full_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD"))}
         full_env["PYTHONPATH"] = str(TESTS_DIR)  # for tests/faulty_data.py datasets
         full_env.update(NO_PHONE_HOME)
         full_env.update(env or {})

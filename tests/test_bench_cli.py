@@ -4,7 +4,6 @@ import shutil
 from pathlib import Path
 
 import yaml
-
 from conftest import TESTS_DIR, runs_of
 
 # A dataset slow by construction (a sleep per item): workers overlap the sleeps, so more of them

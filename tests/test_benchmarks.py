@@ -116,7 +116,8 @@ def test_suite_runs_the_chosen_scripts_into_one_report(tmp_path):
     assert list(summary) == ["telemetry_overhead", "loader_tuning"]  # the suite's order, not --only's
     assert all(row[3] == "0" for row in summary.values())
     assert summary["telemetry_overhead"][2].startswith("goal B/A >= 0.98")
-    assert summary["loader_tuning"][2].startswith("decode: automatic ") and "in-memory: automatic " in summary["loader_tuning"][2]
+    assert (summary["loader_tuning"][2].startswith("decode: automatic ")
+            and "in-memory: automatic " in summary["loader_tuning"][2])
     # Each script's own report under its name, its headings nested below the suite's.
     assert "\n## telemetry_overhead\n" in text and "\n### telemetry overhead\n" in text
     assert "\n## loader_tuning\n" in text and "\n#### decode: " in text

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dlpipe.checkpoint import CheckpointError, CheckpointStore, load, save_atomic
+from dlpipe.training.checkpoint import CheckpointError, CheckpointStore, load, save_atomic
 
 
 def _realistic_state() -> dict:
@@ -96,7 +96,7 @@ def test_unreadable_files_give_one_line_errors(tmp_path):
 _SAVER = """
 import sys, torch
 from pathlib import Path
-from dlpipe.checkpoint import save_atomic
+from dlpipe.training.checkpoint import save_atomic
 path = Path(sys.argv[1])
 states = [{"w": torch.full((16_000_000,), float(v)), "v": v} for v in (0, 1)]  # 64 MB each
 i = 0

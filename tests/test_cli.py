@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import NO_PHONE_HOME, TESTS_DIR, runs_of
 
 FAST = ["+recipe=smoke", "trainer.progress=false"]
@@ -36,7 +35,8 @@ def test_smoke_run_is_recorded_in_mlflow(dlpipe, mlflow_store, mlflow_client):
     assert p["auto.loader.num_workers"].startswith(p["loader.num_workers"] + " (auto: CPU budget")
     assert p["dataset._target_"] == "dlpipe.data.vision.SyntheticJPEGDataset"
     assert run.data.tags["dlpipe.recipe"] == "smoke"
-    assert run.data.tags["dlpipe.verdict"] in {"input-bound", "cpu-budget-bound", "host-to-device-bound", "compute-bound"}
+    assert run.data.tags["dlpipe.verdict"] in {"input-bound", "cpu-budget-bound", "host-to-device-bound",
+                                               "compute-bound"}
     assert f"bottleneck: {run.data.tags['dlpipe.verdict']}" in r.stdout
     assert {"worker_rss_max_mb", "shm_used_mb", "step_time_p95_ms"} <= set(run.data.metrics)
     assert "trainer.progress=false" in run.data.tags["dlpipe.overrides"]
@@ -99,7 +99,8 @@ def test_sweep_with_a_bad_job_runs_the_others_and_fails(dlpipe, mlflow_store, ml
 # The bad-input table: every way a user can get the command line wrong, one row each. "{tmp}" is the
 # test's folder. Each must exit 2 with exactly one line naming the key or value and what is allowed.
 BAD_INPUT = [
-    (["loader.num_workerz=2"], "loader.num_workerz=2: no key 'num_workerz' in loader; did you mean loader.num_workers?"),
+    (["loader.num_workerz=2"],
+     "loader.num_workerz=2: no key 'num_workerz' in loader; did you mean loader.num_workers?"),
     (["+loader.num_workerz=2"], "loader.num_workerz: no such key; did you mean loader.num_workers?"),
     (["+trainer.epochs=3"], "+trainer.epochs=3: trainer.epochs already exists; drop the +"),
     (["dataset.sizee=9"], "dataset.sizee=9: no key 'sizee' in dataset; did you mean dataset.size?"),
@@ -173,7 +174,8 @@ def test_corrupt_image_in_a_worker_fails_the_run_with_one_line(dlpipe, tmp_path,
     for cls in ("a", "b"):
         (tmp_path / "images" / cls).mkdir(parents=True)
         for i in range(8):
-            Image.new("RGB", (40, 40), (40 * i, 90, 200 if cls == "a" else 20)).save(tmp_path / "images" / cls / f"{i}.png")
+            Image.new("RGB", (40, 40), (40 * i, 90, 200 if cls == "a" else 20)).save(
+                tmp_path / "images" / cls / f"{i}.png")
     bad = tmp_path / "images" / "b" / "3.png"
     bad.write_bytes(b"not a png at all")
     r = dlpipe("dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.image_size=32",
@@ -256,10 +258,12 @@ def test_exception_mid_training_ends_run_failed(dlpipe, mlflow_store, mlflow_cli
     "dataset, extra, expected",
     [
         ("dying", ["loader.num_workers=2"], "usually the out-of-memory killer or a full /dev/shm"),
-        ("hanging", ["loader.num_workers=1", "loader.timeout=2"], "loader.timeout=2.0: no batch arrived from the workers in 2.0 s"),
+        ("hanging", ["loader.num_workers=1", "loader.timeout=2"],
+         "loader.timeout=2.0: no batch arrived from the workers in 2.0 s"),
     ],
 )
-def test_worker_faults_fail_the_run_with_the_likely_cause(dlpipe, mlflow_store, mlflow_client, dataset, extra, expected):
+def test_worker_faults_fail_the_run_with_the_likely_cause(dlpipe, mlflow_store, mlflow_client, dataset, extra,
+                                                          expected):
     """A killed worker or a hung one ends the run FAILED with one line saying what to try."""
     exp = f"worker-{dataset}"
     r = dlpipe(*FAULTY, f"dataset={dataset}", "trainer.val_fraction=0", *extra,
@@ -385,7 +389,8 @@ def test_user_recipe_folder_from_environment(dlpipe, tmp_path):
 
 def test_user_recipe_from_config_dir(dlpipe):
     """Hydra's --config-dir adds recipes from DIR/recipe/ beside the shipped ones, and they train."""
-    r = dlpipe("--config-dir", str(TESTS_DIR / "conf"), "+recipe=tiny_tabular", "tracking=none", "trainer.progress=false")
+    r = dlpipe("--config-dir", str(TESTS_DIR / "conf"), "+recipe=tiny_tabular", "tracking=none",
+               "trainer.progress=false")
     assert r.returncode == 0, r.stderr
     assert "val loss" in r.stdout
     r = dlpipe("--config-dir", str(TESTS_DIR / "conf"), "+recipe=nope", "tracking=none")
@@ -417,7 +422,8 @@ def test_subcommands_keep_overrides_together_with_options_after_them(dlpipe):
     from dlpipe.cli import with_overrides
 
     assert with_overrides(["dlpipe", "a=1", "--cfg", "job"], ["t=1"]) == ["dlpipe", "a=1", "t=1", "--cfg", "job"]
-    assert with_overrides(["dlpipe", "--config-dir=d", "--cfg", "job"], ["t=1"]) == ["dlpipe", "--config-dir=d", "--cfg", "job", "t=1"]
+    assert with_overrides(["dlpipe", "--config-dir=d", "--cfg", "job"], ["t=1"]) == [
+        "dlpipe", "--config-dir=d", "--cfg", "job", "t=1"]
     r = dlpipe("bench", "+recipe=tabular", "--cfg", "job")
     assert r.returncode == 0, r.stderr
     assert "task: bench" in r.stdout

@@ -9,12 +9,11 @@ from omegaconf import OmegaConf
 from dlpipe.cli import resolve
 from dlpipe.config import decisions
 from dlpipe.config.paths import conf_dir
-from dlpipe.config.recipes import find_recipes, register_recipes
 from dlpipe.config.resolvers import RESOLVERS, register_resolvers
-from dlpipe.config.schema import register_schemas
+from dlpipe.config.store import find_recipes, register_recipes, register_schemas
 from dlpipe.config.validation import validate
 from dlpipe.errors import ConfigError
-from dlpipe.build import build_data_and_model, build_loaders
+from dlpipe.tasks.build import build_data_and_model, build_loaders
 
 # Small sizes so building every option stays fast; values only, nothing structural.
 SMALL = {
@@ -44,7 +43,10 @@ def group_options(group: str) -> list[str]:
 def test_every_conf_file_belongs_to_a_tested_option():
     """Each YAML in conf/ is either the primary config or a group option that the tests below compose."""
     for path in conf_dir().rglob("*.yaml"):
-        assert path.name == "config.yaml" or path.parent.name in {"dataset", "model", "loader", "optim", "trainer", "tracking", "telemetry", "checkpoint", "bench", "launcher"}, path
+        assert path.name == "config.yaml" or path.parent.name in {
+            "dataset", "model", "loader", "optim", "trainer", "tracking", "telemetry", "checkpoint", "bench",
+            "launcher",
+        }, path
 
 
 @pytest.mark.parametrize("preset", group_options("hydra/launcher"))
@@ -67,8 +69,7 @@ def test_dataset_model_optim_build(dataset, model, optim):
     """Every dataset with its model and every optimizer composes, resolves, validates and instantiates."""
     cfg = make(f"dataset={dataset}", f"model={model}", f"optim={optim}", *SMALL[dataset])
     _, resolved = resolve(cfg)
-    validate(resolved)
-    train, val, net, opt = build_data_and_model(resolved)
+    train, val, net, opt = build_data_and_model(validate(resolved))
     assert len(train) + len(val) == 32
     assert sum(p.numel() for p in net.parameters()) > 0
     assert opt.param_groups[0]["lr"] == resolved["optim"]["lr"]
@@ -80,9 +81,9 @@ def test_loader_and_tracking_options_build(loader, tracking):
     """Every loader preset builds working DataLoaders; every tracking option validates."""
     cfg = make(f"loader={loader}", f"tracking={tracking}", *SMALL["vision"], "loader.batch_size=8")
     _, resolved = resolve(cfg)
-    validate(resolved)
-    train, val, _, _ = build_data_and_model(resolved)
-    train_plan, val_plan = build_loaders(resolved, train, val)
+    job = validate(resolved)
+    train, val, _, _ = build_data_and_model(job)
+    train_plan, val_plan = build_loaders(job, train, val)
     images, labels = next(iter(train_plan.loader))
     assert images.shape[0] == labels.shape[0] == 8
     assert train_plan.notes == [] and val_plan.notes == []  # shipped presets are consistent as they are
@@ -106,17 +107,17 @@ def test_image_folder_option(tmp_path):
             Image.new("RGB", (40, 40), colour).save(tmp_path / cls / f"{i}.jpg")
     cfg = make("dataset=image_folder", f"dataset.root={tmp_path}", "dataset.image_size=32", "dataset.crop_size=28")
     _, resolved = resolve(cfg)
-    validate(resolved)
-    assert resolved["model"]["num_classes"] is None  # the vision dataset's key is gone
-    train, val, net, _ = build_data_and_model(resolved)
-    logits = net(next(iter(build_loaders(resolved, train, val)[0].loader))[0])
+    job = validate(resolved)
+    assert job.model["num_classes"] is None  # the vision dataset's key is gone
+    train, val, net, _ = build_data_and_model(job)
+    logits = net(next(iter(build_loaders(job, train, val)[0].loader))[0])
     assert logits.shape[-1] == 3
 
 
 def test_validation_split_is_not_augmented():
     """Validation scores the same inputs every time; training keeps its random augmentation."""
     _, resolved = resolve(make(*SMALL["vision"]))
-    train, val, _, _ = build_data_and_model(resolved)
+    train, val, _, _ = build_data_and_model(validate(resolved))
     assert torch.equal(val[0][0], val[0][0])
     assert any(not torch.equal(train[0][0], train[0][0]) for _ in range(5))
 
@@ -206,8 +207,9 @@ def test_auto_values_follow_the_machine(monkeypatch):
     [(0, 10, 10**6, False), (2, 1, 10**6, False), (2, 3, 500, False), (2, 3, 5000, True), (2, 3, 0, True)],
 )
 def test_persistent_workers_decision(workers, epochs, size, expected):
-    """persistent_workers: only with workers, more than one epoch and a dataset that is not tiny."""
-    assert decisions.persistent(workers, epochs, size).value is expected
+    """persistent_workers: only with workers, more than one epoch and at least 10 batches per worker per
+    epoch (500 items in batches of 64 make 8); an unknown size is settled once the data is built."""
+    assert decisions.persistent(workers, epochs, size, 64, 0.1).value is expected
 
 
 def test_explain_marks_auto_and_user_values():

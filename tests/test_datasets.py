@@ -11,10 +11,10 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from dlpipe.data.sequences import TokenSequenceDataset
-from dlpipe.data.split import train_val_split
 from dlpipe.data.tabular import TabularDataset
 from dlpipe.data.vision import ImageFolderDataset, SyntheticJPEGDataset
 from dlpipe.errors import DataError
+from dlpipe.loader.split import train_val_split
 
 
 def small_jpeg(**kwargs) -> SyntheticJPEGDataset:

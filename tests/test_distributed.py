@@ -10,12 +10,11 @@ import time
 import psutil
 import pytest
 import torch
-
 from conftest import NO_PHONE_HOME, TESTS_DIR, runs_of
-from dlpipe.data.loader import EpochOrder
-from dlpipe.distributed import Ranks, device_for, ranks_from_env, torchrun_command
+
 from dlpipe.errors import ConfigError, DlpipeError
-from dlpipe.job import JobContext, check_ranks
+from dlpipe.loader.build import EpochOrder
+from dlpipe.training.distributed import Ranks, check_ranks, device_for, ranks_from_env, torchrun_command
 
 # 832 training samples: 13 global batches of 64, so no rank pads and the two runs see the same data,
 # and with accumulate 2 every epoch ends on a partial window. Plain SGD: unlike Adam's, its update
@@ -26,11 +25,14 @@ SAME_DATA = ["+recipe=tabular", "dataset.size=1040", "trainer.val_fraction=0.2",
 
 
 def torchrun(tmp_path, *args: str, ranks: int = 2, env: dict | None = None, timeout: float = 240):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD", "SUBMITIT_"))}
-    full_env.update(NO_PHONE_HOME, PYTHONPATH=str(TESTS_DIR), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD", "SUBMITIT_"))}
+    full_env.update(NO_PHONE_HOME, PYTHONPATH=str(TESTS_DIR), OMP_NUM_THREADS="1",
+                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m", "dlpipe", *args],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m", "dlpipe",
+         *args],
         cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
     )
 
@@ -45,7 +47,8 @@ def test_two_ranks_train_the_same_model_as_one_process_with_the_global_batch(tmp
     two = torchrun(tmp_path, *SAME_DATA, "loader.batch_size=32", "hydra.run.dir=two")
     assert two.returncode == 0, two.stderr[-4000:]
 
-    a, b = checkpoint(tmp_path / "one/checkpoints/epoch-0002.pt"), checkpoint(tmp_path / "two/checkpoints/epoch-0002.pt")
+    a, b = (checkpoint(tmp_path / "one/checkpoints/epoch-0002.pt"),
+            checkpoint(tmp_path / "two/checkpoints/epoch-0002.pt"))
     assert a["step"] == b["step"] == 14  # 2 epochs x 7 windows (6 of 2 batches, 1 of 1)
     for name, weight in a["model"].items():
         assert torch.allclose(weight, b["model"][name], rtol=1e-4, atol=1e-6), name
@@ -61,7 +64,8 @@ def test_two_ranks_train_the_same_model_as_one_process_with_the_global_batch(tmp
 def test_a_failing_rank_ends_the_job_with_its_error_instead_of_a_hang(tmp_path, mlflow_store, mlflow_client):
     started = time.monotonic()
     r = torchrun(
-        tmp_path, "--config-dir", str(TESTS_DIR / "conf"), "dataset=rank_failing", "model=mlp", "model.in_features=4", "loader.num_workers=0", "loader.batch_size=16", "trainer.epochs=3",
+        tmp_path, "--config-dir", str(TESTS_DIR / "conf"), "dataset=rank_failing", "model=mlp", "model.in_features=4",
+        "loader.num_workers=0", "loader.batch_size=16", "trainer.epochs=3",
         "trainer.progress=false", "trainer.val_fraction=0", f"tracking.uri={mlflow_store}",
         "tracking.experiment=rank-failure", timeout=180,
     )
@@ -92,7 +96,8 @@ def test_a_stop_on_one_rank_stops_both_at_one_step_and_the_same_command_resumes(
             "model=mlp", "model.in_features=4", "loader.num_workers=0", "loader.batch_size=16", "trainer.epochs=4",
             "trainer.val_fraction=0", "trainer.progress=false", "hydra.run.dir=run",
             f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD", "SUBMITIT_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD", "SUBMITIT_"))}
     env.update(NO_PHONE_HOME, PYTHONPATH=str(TESTS_DIR), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dlpipe", *args],
@@ -164,18 +169,16 @@ TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MAS
 
 def test_what_data_parallel_training_refuses(tmp_path):
     ranks = Ranks(rank=0, world=2, local_world=2)
-    ctx = JobContext(tmp_path, [], None, multirun=False)
     with pytest.raises(DlpipeError, match="WORLD_SIZE=2 without MASTER_ADDR, MASTER_PORT"):
-        check_ranks(ranks, ctx, "cpu", {"RANK": "0", "LOCAL_RANK": "0"})
+        check_ranks(ranks, False, "cpu", {"RANK": "0", "LOCAL_RANK": "0"})
     with pytest.raises(ConfigError, match=r"trainer.device=cuda:1: with 2 ranks each one takes cuda:LOCAL_RANK"):
-        check_ranks(ranks, ctx, "cuda:1", TORCHRUN_ENV)
+        check_ranks(ranks, False, "cuda:1", TORCHRUN_ENV)
     with pytest.raises(ConfigError, match="trainer.device=mps"):
-        check_ranks(ranks, ctx, "mps", TORCHRUN_ENV)
-    sweep = JobContext(tmp_path, [], None, multirun=True)
+        check_ranks(ranks, False, "mps", TORCHRUN_ENV)
     with pytest.raises(DlpipeError, match="--multirun under torchrun"):
-        check_ranks(ranks, sweep, "cpu", TORCHRUN_ENV)
-    check_ranks(ranks, sweep, "cpu", {**TORCHRUN_ENV, "SUBMITIT_EXECUTOR": "slurm"})  # one submitit task per rank: fine
-    check_ranks(Ranks(), ctx, "cuda:1", {})  # one process may use any GPU
+        check_ranks(ranks, True, "cpu", TORCHRUN_ENV)
+    check_ranks(ranks, True, "cpu", {**TORCHRUN_ENV, "SUBMITIT_EXECUTOR": "slurm"})  # one submitit task per rank: fine
+    check_ranks(Ranks(), False, "cuda:1", {})  # one process may use any GPU
 
 
 def test_bench_refuses_to_run_under_torchrun(tmp_path, dlpipe):
@@ -190,14 +193,15 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
-    from dlpipe.distributed import Collectives
     from dlpipe.models.mlp import MLP
-    from dlpipe.runner import Trainer, TrainSettings
+    from dlpipe.schema import TrainerConfig
+    from dlpipe.training.distributed import Collectives
+    from dlpipe.training.runner import Trainer
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = MLP(in_features=4, num_classes=2, hidden=8, depth=1)
-        settings = TrainSettings(accumulate=4, progress=False, log_every=1)
+        settings = TrainerConfig(epochs=1, accumulate=4, progress=False, log_every=1)
         trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), settings,
                           peers=Collectives(Ranks(), torch.device("cpu")))
         reductions = []
@@ -220,7 +224,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
 def _epoch_row_on_rank(rank: int, store: str, rows: list[dict], out: str) -> None:
     import torch.distributed as dist
 
-    from dlpipe.distributed import Collectives
+    from dlpipe.training.distributed import Collectives
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
@@ -269,9 +273,8 @@ def test_when_trainer_devices_starts_torchrun():
 
 
 def test_trainer_devices_must_match_the_ranks(tmp_path):
-    ctx = JobContext(tmp_path, [], None, multirun=False)
     with pytest.raises(ConfigError, match="trainer.devices=2: set in a config file"):
-        check_ranks(Ranks(), ctx, "cpu", {}, devices=2)
+        check_ranks(Ranks(), False, "cpu", {}, devices=2)
     with pytest.raises(ConfigError, match=r"trainer.devices=2: this node runs 4 ranks"):
-        check_ranks(Ranks(rank=0, world=4, local_world=4), ctx, "cpu", TORCHRUN_ENV, devices=2)
-    check_ranks(Ranks(rank=0, world=4, local_world=4), ctx, "cpu", TORCHRUN_ENV, devices=4)
+        check_ranks(Ranks(rank=0, world=4, local_world=4), False, "cpu", TORCHRUN_ENV, devices=2)
+    check_ranks(Ranks(rank=0, world=4, local_world=4), False, "cpu", TORCHRUN_ENV, devices=4)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from dlpipe.data.faults import NamedErrors, SampleError, explain_loader_failure
+from dlpipe.loader.faults import NamedErrors, SampleError, explain_loader_failure
+from dlpipe.schema import LoaderConfig
 
 
 class Files(Dataset):
@@ -61,6 +62,6 @@ def test_wrapper_pickles_for_worker_processes():
 )
 def test_loader_failures_get_a_likely_cause(message, expected):
     """Worker deaths and timeouts are explained with the settings to change; other errors are not touched."""
-    loader = {"num_workers": 4, "prefetch_factor": 2, "batch_size": 64, "timeout": 5}
+    loader = LoaderConfig(num_workers=4, prefetch_factor=2, batch_size=64, timeout=5)
     why = explain_loader_failure(RuntimeError(message), loader)
     assert (why is None) if expected is None else (expected in why)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset, get_worker_info
 
-from dlpipe.data.loader import build_loader
+from dlpipe.loader.build import build_loader
 
 N, FEATURES = 20, 8
 

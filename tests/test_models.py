@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from dlpipe.data.sequences import TokenSequenceDataset
-from dlpipe.data.split import train_val_split
 from dlpipe.data.tabular import TabularDataset
 from dlpipe.data.vision import SyntheticJPEGDataset
+from dlpipe.loader.split import train_val_split
 from dlpipe.models.cnn import SmallCNN
 from dlpipe.models.mlp import MLP
 from dlpipe.models.transformer import TinyTransformer
@@ -63,7 +63,8 @@ def train(model, inputs, targets, steps, lr, batch=128, flatten=False):
     for _ in range(steps):
         idx = torch.randint(0, len(inputs), (batch,))
         logits = model(inputs[idx])
-        loss = F.cross_entropy(logits.flatten(0, 1) if flatten else logits, targets[idx].flatten() if flatten else targets[idx])
+        loss = F.cross_entropy(logits.flatten(0, 1) if flatten else logits,
+                               targets[idx].flatten() if flatten else targets[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -3,19 +3,20 @@
 import time
 
 import torch
+from faulty_data import SlowDataset
 from torch.utils.data import TensorDataset
 
-from dlpipe.build import fit_workers_to_data
-from dlpipe.config.decisions import CHEAP_ITEM_S
-from dlpipe.data.probe import item_fetch_seconds
-from faulty_data import SlowDataset
+from dlpipe.loader.policy import CHEAP_ITEM_S
+from dlpipe.loader.probe import item_fetch_seconds
+from dlpipe.schema import LoaderConfig
+from dlpipe.tasks.build import fit_loader_to_data
 
-AUTO_RAW = {"loader": {"num_workers": "${auto_workers:}", "prefetch_factor": "${auto_prefetch:${.num_workers}}",
-                       "persistent_workers": "${auto_persistent:${.num_workers},${trainer.epochs},100}"}}
+AUTO_RAW = {"num_workers": "${auto_workers:}", "prefetch_factor": "${auto_prefetch:${.num_workers}}",
+            "persistent_workers": "${auto_persistent:${.num_workers},${trainer.epochs},0}"}
 
 
-def resolved_loader(workers=2):
-    return {"loader": {"num_workers": workers, "prefetch_factor": 2, "persistent_workers": True, "batch_size": 64}}
+def auto_loader(workers=2):
+    return LoaderConfig(num_workers=workers, prefetch_factor=2, persistent_workers=True, batch_size=64)
 
 
 def in_memory():
@@ -30,16 +31,24 @@ def test_probe_tells_memory_from_slow_items_and_stays_cheap():
 
 
 def test_automatic_workers_go_for_data_in_memory():
-    resolved = resolved_loader()
-    why = fit_workers_to_data(AUTO_RAW, resolved, in_memory())
-    assert why.startswith("0 (auto: items take") and "the CPU budget alone would give 2" in why
-    assert resolved["loader"] == {"num_workers": 0, "prefetch_factor": None, "persistent_workers": False, "batch_size": 64}
+    loader, why = fit_loader_to_data(AUTO_RAW, auto_loader(), 3, in_memory())
+    assert why["loader.num_workers"].startswith("0 (auto: items take")
+    assert "the CPU budget alone would give 2" in why["loader.num_workers"]
+    assert (loader.num_workers, loader.prefetch_factor, loader.persistent_workers) == (0, None, False)
+    assert why["loader.persistent_workers"].startswith("False (auto: no workers to keep")
 
 
 def test_automatic_workers_stay_for_slow_items_and_user_values_are_never_changed():
-    resolved = resolved_loader()
-    assert fit_workers_to_data(AUTO_RAW, resolved, SlowDataset(size=1000, delay_s=0.005)) is None
-    assert resolved == resolved_loader()
-    user = {"loader": {**AUTO_RAW["loader"], "num_workers": 2}}
-    assert fit_workers_to_data(user, resolved, in_memory()) is None
-    assert resolved == resolved_loader()
+    slow = SlowDataset(size=2000, delay_s=0.005)  # 32 batches an epoch: 16 per worker, enough to keep them
+    assert fit_loader_to_data(AUTO_RAW, auto_loader(), 3, slow) == (auto_loader(), {})
+    user = {**AUTO_RAW, "num_workers": 2, "persistent_workers": True}
+    assert fit_loader_to_data(user, auto_loader(), 3, in_memory()) == (auto_loader(), {})
+
+
+def test_persistence_is_decided_again_on_the_built_split():
+    """A dataset without a `size` key leaves the resolver guessing; the built split settles it with the
+    same rule the lint applies (5 batches an epoch for 2 workers is too few to keep them)."""
+    slow = SlowDataset(size=300, delay_s=0.005)
+    loader, why = fit_loader_to_data(AUTO_RAW, auto_loader(), 3, slow)
+    assert loader.num_workers == 2 and loader.persistent_workers is False
+    assert "2.5 batches per worker per epoch, under 10" in why["loader.persistent_workers"]

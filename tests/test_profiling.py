@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from dlpipe.profiling import AllocationSnapshot, StepProfiler
+from dlpipe.telemetry.profiling import AllocationSnapshot, StepProfiler
 
 
 def train(profiler: StepProfiler, steps: int) -> None:
@@ -60,7 +60,7 @@ def test_profiler_disabled_does_nothing(tmp_path):
 
 def test_profiler_window_never_reached_warns(tmp_path, caplog):
     prof = StepProfiler(tmp_path, steps=3, wait=5)
-    with caplog.at_level(logging.WARNING, logger="dlpipe.profiling"):
+    with caplog.at_level(logging.WARNING, logger="dlpipe.telemetry.profiling"):
         train(prof, 2)
         assert prof.finish() == []
     assert "profile window (wait=5, steps=3) was never reached: the run had only 2 micro-steps" in caplog.text
@@ -82,7 +82,7 @@ def test_profiler_finish_twice(tmp_path, caplog):
     assert first and prof.finish() == first
     short = StepProfiler(tmp_path / "short", steps=2, wait=4)
     train(short, 1)
-    with caplog.at_level(logging.WARNING, logger="dlpipe.profiling"):
+    with caplog.at_level(logging.WARNING, logger="dlpipe.telemetry.profiling"):
         assert short.finish() == [] and short.finish() == []
     assert caplog.text.count("was never reached") == 1  # warned once, not per call
 

@@ -1,8 +1,8 @@
 """Secrets never reach params, tags or the config artifact."""
 
 import pytest
-
 from conftest import runs_of
+
 from dlpipe.redact import MASK, is_secret_key, redact_text, redact_tree
 
 

@@ -1,7 +1,6 @@
 """Checkpoints and resume through the real CLI: exact continuation, reattached MLflow run, faults."""
 
 import torch
-
 from conftest import runs_of
 
 SMOKE = ["+recipe=smoke", "trainer.progress=false", "trainer.deterministic=true"]

@@ -1,4 +1,4 @@
-"""The training loop (dlpipe.runner.Trainer) driven directly with small in-memory datasets.
+"""The training loop (dlpipe.training.runner.Trainer) driven directly with small in-memory datasets.
 
 Every model here has no batch statistics and no dropout, so a sample's gradient does not depend on
 the rest of its batch and updates can be compared against a hand-computed reference.
@@ -7,6 +7,7 @@ the rest of its batch and updates can be compared against a hand-computed refere
 import copy
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -16,8 +17,10 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler, TensorDataset
 
 from dlpipe.models.mlp import MLP
-from dlpipe.rng import seed_everything
-from dlpipe.runner import Trainer, TrainSettings, loss_and_correct
+from dlpipe.schema import TrainerConfig
+from dlpipe.stop import StopTraining
+from dlpipe.training.rng import seed_everything
+from dlpipe.training.runner import Trainer, loss_and_correct
 
 IN, CLASSES = 6, 3
 
@@ -38,7 +41,7 @@ def make_trainer(model, lr: float = 0.1, optimizer=None, **settings) -> Trainer:
     optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=lr)
     metrics = settings.pop("metrics", None)
     empty_cache = settings.pop("empty_cache", None)
-    settings = TrainSettings(progress=False, **settings)
+    settings = TrainerConfig(**{"epochs": 1, "progress": False, **settings})
     return Trainer(model, optimizer, settings, metrics=metrics, empty_cache=empty_cache)
 
 
@@ -167,6 +170,64 @@ def test_partial_window_with_a_batch_sampler_loader_updates_with_the_mean():
     assert_same_params(params(model), expected)
 
 
+class Unsized:
+    """A loader with no length and no batch_size: the epoch ends when its iterator does."""
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+def reference_windows(model: nn.Module, ds: TensorDataset, windows: list[tuple[int, int]], lr: float):
+    """reference_sgd, plus the epoch's train_loss: each window's mean loss before its update,
+    weighted by its samples."""
+    ref = copy.deepcopy(model)
+    x, y = ds.tensors
+    weighted = 0.0
+    for start, end in windows:
+        ref.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ref(x[start:end]), y[start:end])
+        weighted += loss.item() * (end - start)
+        loss.backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= lr * p.grad
+    return params(ref), weighted / (windows[-1][1] - windows[0][0])
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["len", "no-len"])
+@pytest.mark.parametrize("n, windows", [
+    (26, [(0, 12), (12, 24), (24, 26)]),  # 7 batches (6 x 4 + 2): the last window is the short batch alone
+    (30, [(0, 12), (12, 24), (24, 30)]),  # 8 batches (7 x 4 + 2): the last window is a batch of 4 and one of 2
+])
+def test_train_epoch_accumulating_3_over_a_ragged_epoch_is_sgd_on_each_windows_samples(n, windows, sized):
+    """accumulate=3 over a batch count that is not a multiple of 3, last batch short: every epoch's
+    updates are full-batch SGD on each window's samples, the partial window does not leak into the
+    next epoch, and train_loss is the mean over the epoch's samples. Without a length the end of the
+    epoch is found by the loader running out, so that partial window steps after the loop."""
+    lr = 0.1
+    ds = make_dataset(n)
+    model = make_model()
+    expected, loss1 = reference_windows(model, ds, windows, lr)
+    ref_model = make_model()
+    for p, q in zip(ref_model.parameters(), expected):
+        p.data.copy_(q)
+    expected, loss2 = reference_windows(ref_model, ds, windows, lr)  # epoch 2 starts from epoch 1's result
+    trainer = make_trainer(model, lr=lr, accumulate=3, epochs=2)
+    loader = DataLoader(ds, batch_size=4, shuffle=False, drop_last=False)
+    loader = loader if sized else Unsized(loader)
+    first = trainer.train_epoch(loader, 1)
+    assert trainer.step == len(windows)
+    second = trainer.train_epoch(loader, 2)
+    assert trainer.step == 2 * len(windows)
+    assert_same_params(params(model), expected)
+    assert first["train_loss"] == pytest.approx(loss1, rel=1e-5)
+    assert second["train_loss"] == pytest.approx(loss2, rel=1e-5)
+    assert trainer.stop.at_batch is None
+
+
 # --- step counting and limits ---------------------------------------------------------------------
 
 
@@ -221,12 +282,16 @@ def test_limit_val_batches_zero_skips_validation_and_positive_limits_it():
 
 def test_empty_cache_runs_every_n_optimizer_steps():
     """empty_cache_every=3 calls empty_cache on steps 3, 6, 9; empty_cache_every=0 never calls it."""
-    for every, expected in ((3, [3, 6, 9]), (0, [])):
+
+    def steps_with_empty_cache(every: int) -> list[int]:
         calls: list[int] = []
         trainer = make_trainer(make_model(), empty_cache_every=every, empty_cache=lambda: calls.append(trainer.step))
         trainer.fit(DataLoader(make_dataset(40), batch_size=4))  # 10 steps
         assert trainer.step == 10
-        assert calls == expected
+        return calls
+
+    assert steps_with_empty_cache(3) == [3, 6, 9]
+    assert steps_with_empty_cache(0) == []
 
 
 def test_grad_clip_bounds_the_gradient_norm_the_optimizer_sees():
@@ -379,33 +444,31 @@ class StopAfter(torch.nn.Module):
 
     def __init__(self, stop_after: int | None = None):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3)
+        )
         self.stop_after, self.calls, self.trainer = stop_after, 0, None
 
     def forward(self, x):
         self.calls += 1
         if self.stop_after is not None and self.calls == self.stop_after and self.trainer is not None:
-            self.trainer.stop_requested = "SIGTERM"  # what the job's signal handler does
+            self.trainer.stop.signal = "SIGTERM"  # what the job's signal handler does
         return self.net(x)
 
 
 def build_stoppable(stop_after=None):
-    from dlpipe.rng import seed_everything
-
     seed_everything(11)
     model = StopAfter(stop_after)
     generator = torch.Generator().manual_seed(5)
     loader = DataLoader(NoisyItems(), batch_size=4, shuffle=True, generator=generator)
     trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01),
-                      TrainSettings(epochs=3, accumulate=2, progress=False))
+                      TrainerConfig(epochs=3, accumulate=2, progress=False))
     model.trainer = trainer
     return trainer, loader
 
 
 def test_stop_mid_epoch_then_resume_matches_an_uninterrupted_run():
     """Stop requested mid-epoch: it stops at an optimizer step, and state_dict + resume reproduce a straight run."""
-    from dlpipe.runner import StopTraining
-
     straight, loader = build_stoppable()
     straight.fit(loader)
 
@@ -422,3 +485,103 @@ def test_stop_mid_epoch_then_resume_matches_an_uninterrupted_run():
     assert second.step == straight.step
     for a, b in zip(straight.model.parameters(), second.model.parameters()):
         assert torch.equal(a, b)
+
+
+class DyingLoader:
+    """Yields `batches`, then fails the way a DataLoader does when a worker is killed; with
+    `signal`, the stop request arrives just before (the same signal reached the workers)."""
+
+    def __init__(self, batches, trainer: Trainer, signal: str | None, error: str):
+        self.batches, self.trainer, self.signal, self.error = batches, trainer, signal, error
+
+    def __len__(self):
+        return len(self.batches) + 2  # the epoch was meant to go on
+
+    def __iter__(self):
+        yield from self.batches
+        if self.signal is not None:
+            self.trainer.stop.signal = self.signal
+        raise RuntimeError(self.error)
+
+
+WORKER_KILLED = "DataLoader worker (pid(s) 4242) exited unexpectedly"
+
+
+def dying(accumulate: int, batches: int, signal: str | None = "SIGTERM", error: str = WORKER_KILLED):
+    """A trainer (lr 0.1) and a DyingLoader over `batches` batches of 4 from make_dataset(4 * batches)."""
+    model = make_model()
+    trainer = make_trainer(model, accumulate=accumulate, epochs=2)
+    x, y = make_dataset(4 * batches).tensors
+    loader = DyingLoader([(x[i : i + 4], y[i : i + 4]) for i in range(0, 4 * batches, 4)], trainer, signal, error)
+    return trainer, loader
+
+
+def test_workers_dying_of_the_stop_signal_at_an_optimizer_step_stop_there():
+    """Workers killed by the stop signal right after an optimizer step: the epoch stops at that step,
+    resumable mid-epoch (batches_done), and fit raises StopTraining."""
+    trainer, loader = dying(accumulate=2, batches=4)
+    with pytest.raises(StopTraining, match="SIGTERM"):
+        trainer.fit(loader)
+    assert trainer.step == 2
+    assert trainer.stop.at_batch == 4
+    assert trainer.history == []
+    assert trainer.state_dict()["batches_done"] == 4
+
+
+def test_workers_dying_of_the_stop_signal_mid_window_stop_without_a_step():
+    """Killed in the middle of an accumulation window: no update from the half window, and no
+    mid-epoch resume point (at_batch None: the last finished epoch is where a resume starts)."""
+    expected = reference_sgd(make_model(), make_dataset(12), [(0, 8)], lr=0.1)  # the one full window only
+    trainer, loader = dying(accumulate=2, batches=3)
+    with pytest.raises(StopTraining, match="SIGTERM"):
+        trainer.train_epoch(loader, 1)
+    assert trainer.step == 1
+    assert trainer.stop.at_batch is None
+    assert trainer.state_dict()["batches_done"] == 0
+    assert_same_params(params(trainer.model), expected)
+
+
+@pytest.mark.parametrize("signal, error", [(None, WORKER_KILLED), ("SIGTERM", "CUDA error: out of memory")])
+def test_loader_errors_propagate_unless_workers_died_of_a_stop(signal, error):
+    """Dead workers without a stop request, or another RuntimeError during a stop: training fails."""
+    trainer, loader = dying(accumulate=2, batches=4, signal=signal, error=error)
+    with pytest.raises(RuntimeError, match=re.escape(error)):
+        trainer.fit(loader)
+    assert trainer.step == 2
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A sampler whose order depends on the epoch (like DistributedSampler): reversed on odd epochs."""
+
+    def __init__(self, n: int):
+        self.n, self.epoch, self.orders = n, 0, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        order = list(range(self.n))[:: -1 if self.epoch % 2 else 1]
+        self.orders.append((self.epoch, order))
+        return iter(order)
+
+
+def test_sampler_gets_the_epoch_before_the_epoch_is_iterated_and_profiler_steps_per_micro_batch():
+    """set_epoch(epoch) comes before iter(loader); the profiler steps once per micro-batch, not per optimizer step."""
+
+    class Profiler:
+        steps = 0
+
+        def step(self):
+            self.steps += 1
+
+    sampler, profiler = EpochSampler(12), Profiler()
+    model = make_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      TrainerConfig(epochs=2, accumulate=2, progress=False), profiler=profiler)
+    trainer.fit(DataLoader(make_dataset(12), batch_size=4, sampler=sampler))  # 3 micro-batches, 2 steps per epoch
+    assert sampler.orders == [(1, list(range(11, -1, -1))), (2, list(range(12)))]
+    assert profiler.steps == 6
+    assert trainer.step == 4

@@ -9,7 +9,6 @@ import time
 
 import psutil
 import pytest
-
 from conftest import NO_PHONE_HOME, TESTS_DIR, runs_of
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
@@ -20,7 +19,8 @@ SLOW = ["--config-dir", str(TESTS_DIR / "conf"), "dataset=slow", "dataset.size=4
 
 
 def sweep(tmp_path, *args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "SUBMITIT_", "LOCAL_WORLD"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "SUBMITIT_", "LOCAL_WORLD"))}
     env.update(NO_PHONE_HOME, PYTHONPATH=str(TESTS_DIR))
     return subprocess.Popen(
         [sys.executable, "-m", "dlpipe", "--multirun", *args, "hydra/launcher=submitit_local", "hydra.sweep.dir=sweep"],
@@ -99,7 +99,8 @@ def test_a_preempted_job_is_requeued_and_resumes_in_the_same_dir_and_run(tmp_pat
     assert (job_dir / "checkpoints" / "epoch-0003.pt").is_file()
 
 
-def test_a_job_of_two_tasks_trains_data_parallel_with_the_environment_from_submitit(tmp_path, mlflow_store, mlflow_client):
+def test_a_job_of_two_tasks_trains_data_parallel_with_the_environment_from_submitit(tmp_path, mlflow_store,
+                                                                                     mlflow_client):
     """hydra/launcher=slurm_node's layout (a task per GPU, no torchrun), here as 2 local tasks with gloo."""
     code, out, err = finish(sweep(tmp_path, "+recipe=tabular", "dataset.size=1024", "trainer.epochs=2",
                                   "trainer.progress=false", "loader.num_workers=0", "loader.batch_size=32",

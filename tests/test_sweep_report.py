@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from dlpipe.sweep_report import job_names, sweep_plot, sweep_table
-from dlpipe.tracking import PARENT_TAG
+from dlpipe.tracking.run import PARENT_TAG
+from dlpipe.tracking.sweep_report import job_names, sweep_plot, sweep_table
 
 COMMON = "+recipe=smoke trainer.epochs=2"
 
@@ -149,7 +149,7 @@ def test_no_plot_without_metrics(client, tmp_path):
 
 def test_sweep_end_logs_table_and_chart_to_the_parent(client, capsys):
     """The Hydra callback's end of sweep, on a real store: both artifacts, the best job, FINISHED."""
-    from dlpipe.callbacks import SweepTracking
+    from dlpipe.tracking.sweep import SweepTracking
 
     parent, _ = make_sweep(client, "callback", [
         ("loader.num_workers=0", metrics(100.0), "FINISHED"),
@@ -168,7 +168,7 @@ def test_sweep_end_logs_table_and_chart_to_the_parent(client, capsys):
 
 
 def test_report_module_imports_neither_hydra_nor_matplotlib():
-    code = ("import sys, dlpipe.sweep_report; "
+    code = ("import sys, dlpipe.tracking.sweep_report; "
             "print(sorted(m for m in ('hydra', 'omegaconf', 'matplotlib', 'mlflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dlpipe import gpu
 from dlpipe.console import summary_table
-from dlpipe.telemetry import EpochClock, ResourceSampler
+from dlpipe.telemetry.sampler import EpochClock, ResourceSampler
 
 # --- EpochClock -----------------------------------------------------------------------------------
 

@@ -1,11 +1,12 @@
 """MLflow tracking: run statuses, async metrics, params limits, and a real `mlflow server` on 127.0.0.1."""
 
 import pytest
-
 from conftest import runs_of
 from mlflow_server import free_port, start_server, stop_tree
+
 from dlpipe.errors import DlpipeError
-from dlpipe.tracking import MAX_PARAM_CHARS, MlflowRun, Terminated
+from dlpipe.stop import Terminated
+from dlpipe.tracking.run import MAX_PARAM_CHARS, MlflowRun
 
 
 @pytest.fixture(scope="module")

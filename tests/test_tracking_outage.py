@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import NO_PHONE_HOME, TESTS_DIR, runs_of
 from mlflow_server import free_port, start_server, stop_tree
-from dlpipe.outbox import OUTBOX_FILE, Outbox, connect_error, unreachable
+
+from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, connect_error, unreachable
 
 WARNING = "tracking server unreachable"
 
@@ -59,7 +59,7 @@ def test_silent_server_fails_the_job_before_training(dlpipe, blackhole):
 def test_refused_request_counts_as_unreachable_but_a_rejected_one_does_not(mlflow_store):
     from mlflow.exceptions import RestException
 
-    from dlpipe.tracking import client_for
+    from dlpipe.tracking.run import client_for
 
     with pytest.raises(Exception) as refused:
         client_for(f"http://127.0.0.1:{free_port()}", 2, 0).get_experiment_by_name("x")

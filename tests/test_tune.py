@@ -2,7 +2,7 @@
 
 import pytest
 
-from dlpipe.tune import LADDER, Candidate, Search, Trial, memory_guard
+from dlpipe.loader.search import LADDER, Candidate, Search, Trial, memory_guard
 
 START = Candidate(num_workers=2, prefetch_factor=2, persistent_workers=True, pin_memory=False)
 

@@ -8,9 +8,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from dlpipe.hardware import recommended_workers
-from dlpipe.runner import Trainer, TrainSettings
-from dlpipe.telemetry import ResourceSampler
-from dlpipe.verdict import diagnose, more_workers, rss_slope, run_metrics, worker_leak
+from dlpipe.schema import TrainerConfig
+from dlpipe.telemetry.sampler import ResourceSampler
+from dlpipe.telemetry.verdict import diagnose, more_workers, rss_slope, run_metrics, worker_leak
+from dlpipe.training.runner import Trainer
 
 
 def judge(metrics, workers=0, budget=4, pin=False, device="cpu"):
@@ -82,7 +83,7 @@ class SlowModel(nn.Module):
 
 def train_one(model, loader, sampler=None, epochs=1):
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
-                      TrainSettings(epochs=epochs, progress=False), sampler=sampler)
+                      TrainerConfig(epochs=epochs, progress=False), sampler=sampler)
     return trainer.fit(loader)
 
 

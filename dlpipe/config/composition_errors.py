@@ -6,7 +6,7 @@ CLI asks Hydra to raise instead (HYDRA_FULL_ERROR) and prints what `one_line` ma
 
 import difflib
 
-from hydra.errors import (ConfigCompositionException, MissingConfigException, OverrideParseException)
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 
@@ -32,7 +32,8 @@ def _unknown_key(error: OmegaConfBaseException, overrides: list[str]) -> str:
     allowed = _allowed_keys(error)
     guess = difflib.get_close_matches(name, allowed, n=1)
     hint = f"did you mean {section + '.' if section else ''}{guess[0]}? " if guess else ""
-    return f"{_override_for(key, overrides)}: no key {name!r} in {section or 'the config'}; {hint}allowed: {', '.join(allowed)}"
+    where = section or "the config"
+    return f"{_override_for(key, overrides)}: no key {name!r} in {where}; {hint}allowed: {', '.join(allowed)}"
 
 
 def one_line(exc: BaseException, overrides: list[str]) -> str | None:

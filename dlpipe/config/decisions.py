@@ -9,16 +9,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from dlpipe import hardware
-
-# persistent_workers thresholds (documented in the README's resolver table).
-TINY_DATASET = 1000  # below this an epoch is a few batches per worker: not worth holding them resident
-PREFETCH_DEFAULT = 2  # PyTorch's own default; RAM held grows linearly with it
-# Below this fetch time per item in the main process, the data is in memory and a worker's
-# hand-over (pickling into shared memory, a queue round-trip, waking the main process) costs more
-# than the fetch it saves. Measured here: rows of an in-memory tensor take 5-10 us each, JPEG decode
-# items 200-400 us; 256-row batches ran at 182k samples/s without workers and 122k with 2
-# (benchmarks/loader_tuning.py).
-CHEAP_ITEM_S = 50e-6
+from dlpipe.loader import policy
 
 
 @dataclass(frozen=True)
@@ -60,9 +51,10 @@ def workers() -> Decision:
 def workers_for_data(cpu_workers: int, item_fetch_s: float | None) -> Decision:
     """The CPU-based worker count, or 0 when items are so cheap to fetch in this process that
     workers can only slow it down (data already in memory). `item_fetch_s` None: not measured."""
-    if cpu_workers and item_fetch_s is not None and item_fetch_s < CHEAP_ITEM_S:
+    if cpu_workers and item_fetch_s is not None and item_fetch_s < policy.CHEAP_ITEM_S:
         return Decision(0, f"items take {item_fetch_s * 1e6:.1f} us each to fetch in this process (data in memory), "
-                           f"under the {CHEAP_ITEM_S * 1e6:.0f} us where workers start to pay for their hand-over; "
+                           f"under the {policy.CHEAP_ITEM_S * 1e6:.0f} us where workers start to pay for their "
+                           "hand-over; "
                            f"the CPU budget alone would give {cpu_workers}")
     return Decision(cpu_workers, "")
 
@@ -91,21 +83,24 @@ def amp(device: str) -> Decision:
 def prefetch(num_workers: int) -> Decision:
     if int(num_workers) == 0:
         return Decision(None, "no workers: PyTorch rejects prefetch_factor without them")
-    return Decision(PREFETCH_DEFAULT, f"{num_workers} workers x {PREFETCH_DEFAULT} batches in flight")
+    n = policy.PREFETCH_DEFAULT
+    return Decision(n, f"{num_workers} workers x {n} batches in flight")
 
 
-def persistent(num_workers: int, epochs: int, dataset_size) -> Decision:
-    num_workers, epochs = int(num_workers), int(epochs)
-    size = int(dataset_size or 0)
-    inputs = {"num_workers": str(num_workers), "epochs": str(epochs), "dataset_size": str(size or "unknown")}
-    facts = f"{num_workers} workers, {epochs} epochs, dataset size {inputs['dataset_size']}"
-    if num_workers == 0:
-        return Decision(False, f"no workers to keep ({facts})", inputs)
-    if epochs <= 1:
-        return Decision(False, f"a single epoch: nothing to reuse the workers for ({facts})", inputs)
-    if 0 < size < TINY_DATASET:
-        return Decision(False, f"tiny dataset (< {TINY_DATASET} samples): not worth keeping workers resident ({facts})", inputs)
-    return Decision(True, f"saves a worker start-up per epoch ({facts})", inputs)
+def persistent(num_workers: int, epochs: int, dataset_size, batch_size=None, val_fraction=0.0,
+               drop_last=False) -> Decision:
+    """policy.persist_workers on the batches this config gives each rank per epoch; without a known
+    dataset size (or batch size) the batches are unknown here, and tasks.build decides again once
+    the dataset is built."""
+    num_workers, epochs, size = int(num_workers), int(epochs), int(dataset_size or 0)
+    batches = None
+    if size > 0 and batch_size:
+        train = policy.train_samples(size, float(val_fraction or 0.0))
+        batches = policy.batches_per_epoch(train, int(batch_size), hardware.world_size(), bool(drop_last))
+    value, why = policy.persist_workers(num_workers, epochs, batches)
+    inputs = {"num_workers": str(num_workers), "epochs": str(epochs), "dataset_size": str(size or "unknown"),
+              "batches_per_epoch": "unknown" if batches is None else str(batches)}
+    return Decision(value, why, inputs)
 
 
 # Config key -> (resolver name, how to recompute its decision from the resolved config).
@@ -116,7 +111,8 @@ _AUTO_KEYS = {
     "loader.persistent_workers": (
         "auto_persistent",
         lambda cfg: persistent(
-            cfg["loader"]["num_workers"], cfg["trainer"]["epochs"], cfg["dataset"].get("size", 0)
+            cfg["loader"]["num_workers"], cfg["trainer"]["epochs"], cfg["dataset"].get("size", 0),
+            cfg["loader"]["batch_size"], cfg["trainer"]["val_fraction"], cfg["loader"]["drop_last"],
         ),
     ),
     "trainer.device": ("auto_device", lambda cfg: device()),
@@ -138,8 +134,7 @@ def explain(raw: dict, resolved: dict) -> dict[str, str]:
     out = {}
     for key, (resolver, recompute) in _AUTO_KEYS.items():
         value = _lookup(resolved, key)
-        raw_value = _lookup(raw, key)
-        if isinstance(raw_value, str) and raw_value.startswith("${" + resolver + ":"):
+        if policy.is_auto(_lookup(raw, key), resolver):
             out[key] = f"{value} (auto: {recompute(resolved).reason})"
         else:
             out[key] = f"{value} (set by the user)"

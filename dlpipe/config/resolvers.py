@@ -14,9 +14,7 @@ RESOLVERS = {
     "auto_device": lambda: decisions.device().value,
     "auto_amp": lambda device: decisions.amp(device).value,
     "auto_prefetch": lambda num_workers: decisions.prefetch(num_workers).value,
-    "auto_persistent": lambda num_workers, epochs, dataset_size: decisions.persistent(
-        num_workers, epochs, dataset_size
-    ).value,
+    "auto_persistent": lambda *args: decisions.persistent(*args).value,
 }
 
 

@@ -5,9 +5,16 @@ import importlib
 import inspect
 import re
 
-from dlpipe.config.schema import (BenchConfig, CheckpointConfig, LoaderConfig, TelemetryConfig, TrackingConfig,
-                                  TrainerConfig)
 from dlpipe.errors import ConfigError
+from dlpipe.schema import (
+    BenchConfig,
+    CheckpointConfig,
+    DlpipeConfig,
+    LoaderConfig,
+    TelemetryConfig,
+    TrackingConfig,
+    TrainerConfig,
+)
 
 _CONTEXTS = ("fork", "spawn", "forkserver")
 _AMP = ("off", "bf16", "fp16")
@@ -180,14 +187,19 @@ def _unknown_keys(section: str, schema, node: dict) -> list[str]:
     return problems
 
 
-def validate(resolved: dict) -> None:
-    """Raise ConfigError listing every problem in a resolved config (a plain dict)."""
+def validate(resolved: dict) -> DlpipeConfig:
+    """The resolved config (a plain dict) as typed sections; raises ConfigError listing every problem."""
     problems = []
     if resolved.get("task", "train") not in _TASKS:
         problems.append(f"task={resolved['task']}: allowed: {', '.join(_TASKS)}")
+    sections = {}
     for section, (schema, check) in _SECTIONS.items():
         unknown = _unknown_keys(section, schema, resolved[section])
-        problems += unknown or check(schema(**resolved[section]))
+        if unknown:
+            problems += unknown
+            continue
+        sections[section] = schema(**resolved[section])
+        problems += check(sections[section])
     problems += _check_target("dataset", resolved["dataset"])
     problems += _check_target("model", resolved["model"])
     # optimizers take the parameters first (a partial): skip it in the 'allowed' listing
@@ -197,3 +209,5 @@ def validate(resolved: dict) -> None:
         problems.append(f"optim.lr={optim['lr']}: must be > 0")
     if problems:
         raise ConfigError(problems)
+    return DlpipeConfig(dataset=resolved["dataset"], model=resolved["model"], optim=resolved["optim"],
+                        task=resolved.get("task", "train"), **sections)

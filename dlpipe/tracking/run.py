@@ -21,10 +21,12 @@ which waits up to `offline_wait_s` for the server before leaving the file to `dl
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 from dlpipe.errors import DlpipeError, first_line, user_message
-from dlpipe.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, unreachable
+from dlpipe.stop import Terminated
+from dlpipe.tracking.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, unreachable
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +35,7 @@ PROBE_TIMEOUT_S = 2.0  # a connect attempt while the server is away: bounds the 
 MAX_PENDING_METRICS = 20000  # flush mid-epoch beyond this, so a very long epoch holds bounded memory
 MAX_PARAM_CHARS = 6000  # MLflow 3's param value limit
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
-
-
-class Terminated(BaseException):
-    """Raised in the main thread by SIGTERM so the run ends KILLED (BaseException: never swallowed)."""
+PARENT_RUN_ENV = "DLPIPE_PARENT_RUN_ID"  # the sweep parent's run id, set by tracking.sweep for its jobs
 
 
 def client_for(uri: str, timeout_s: float, retries: int):
@@ -55,7 +54,8 @@ def experiment_id(client, name: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
-            raise DlpipeError(f"tracking.experiment={name}: this experiment is deleted; restore it or pick another name")
+            raise DlpipeError(f"tracking.experiment={name}: this experiment is deleted; "
+                              "restore it or pick another name")
         return exp.experiment_id
     try:
         return client.create_experiment(name)
@@ -174,7 +174,8 @@ class MlflowRun:
         pending, self._pending = self._pending, []
         for i in range(0, len(pending), MAX_METRICS_PER_BATCH):
             batch = [Metric(*row) for row in pending[i : i + MAX_METRICS_PER_BATCH]]
-            self._write(lambda: self.client.log_batch(self.run_id, metrics=batch), lambda: self.outbox.metrics(batch))
+            # _write calls one of the two now, so binding `batch` per iteration is only for clarity
+            self._write(partial(self.client.log_batch, self.run_id, metrics=batch), partial(self.outbox.metrics, batch))
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self._write(lambda: self.client.log_text(self.run_id, text, artifact_file),

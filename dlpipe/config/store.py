@@ -1,4 +1,6 @@
-"""Recipes: named presets in recipes/*.yaml (and the user's $DLPIPE_RECIPE_PATH folders).
+"""What dlpipe puts in Hydra's ConfigStore: the typed schema (as `base_config`) and the recipes.
+
+Recipes: named presets in recipes/*.yaml (and the user's $DLPIPE_RECIPE_PATH folders).
 
 Hydra names a config group after its folder, and the shipped folder is `recipes/` while the group
 is `recipe` (`+recipe=vision`), so the files are read here and stored in the ConfigStore under
@@ -14,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dlpipe.config.paths import recipe_dirs
 from dlpipe.errors import ConfigError
+from dlpipe.schema import DlpipeConfig
 
 
 def find_recipes(dirs: list[Path] | None = None) -> dict[str, Path]:
@@ -41,3 +44,10 @@ def register_recipes(dirs: list[Path] | None = None) -> dict[str, Path]:
             raise ConfigError([f"recipe {path}: cannot be read ({str(e).splitlines()[0]})"]) from None
         cs.store(group="recipe", name=name, node=node, package="_global_", provider=str(path.parent))
     return recipes
+
+
+def register_schemas() -> None:
+    """Store the schema in Hydra's ConfigStore (idempotent: the store overwrites by name)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=DlpipeConfig)

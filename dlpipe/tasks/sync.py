@@ -10,8 +10,8 @@ import logging
 import sys
 from pathlib import Path
 
-from dlpipe.outbox import OUTBOX_FILE, Outbox, connect_error
 from dlpipe.redact import redact_text
+from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, connect_error
 
 log = logging.getLogger("dlpipe")
 
@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default 10)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s] %(message)s")
-    from dlpipe.tracking import client_for
+    from dlpipe.tracking.run import client_for
 
     missing = [str(d) for d in args.dirs if not d.exists()]
     if missing:

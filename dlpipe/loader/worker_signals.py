@@ -7,7 +7,7 @@ workers would die while the main process is still on its way to a clean stop, an
 FAILED ("worker killed by signal") instead of KILLED with a checkpoint.
 
 So a worker ignores SIGINT, and on SIGTERM/SIGUSR1/SIGUSR2 checks whether the main process began a
-stop within the last few seconds (a shared timestamp its signal handler sets): then it is the same
+stop within the last few seconds (dlpipe.stop's shared clock, which its signal handler sets): then it is the same
 signal, and the main process shuts the worker down itself. Otherwise (the main process stopping a
 stuck worker with terminate(), or a signal meant for this worker only) it dies as it would have.
 
@@ -17,47 +17,21 @@ kills it. For that case PyTorch's SIGCHLD handler (which raises wherever the mai
 to stand aside during a stop, and the trainer treats "worker died" from next() as the stop itself.
 """
 
-import atexit
-import multiprocessing
 import os
 import signal
 import threading
 import time
+import warnings
 from functools import partial
 
 from torch.utils.data import DataLoader
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+from dlpipe.stop import EXITING, STOP_SIGNALS, stop_clock, stopping
+
+# Workers leave Ctrl-C to the main process (ignored) and handle the other stop signals themselves.
+WORKER_SIGNALS = tuple(sig for sig in STOP_SIGNALS if sig != signal.SIGINT)
 SAME_SIGNAL_WINDOW_S = 3.0  # a stop begun this recently by the main process is the signal we got
 WAIT_FOR_MAIN_S = 5.0  # the main process may be inside a long C call before its handler runs
-
-_stop_began = None  # shared double: monotonic time of the main process's stop, 0 while training
-
-
-EXITING = -1.0  # the clock's value once this process exits: workers still alive go at once
-
-
-def _shared_clock():
-    global _stop_began
-    if _stop_began is None:
-        _stop_began = multiprocessing.get_context("spawn").RawValue("d", 0.0)
-        # atexit runs last-registered first, so this runs before multiprocessing terminates the
-        # remaining (daemonic) workers, which then must not wait for a stop that never comes
-        atexit.register(_mark_exiting)
-    return _stop_began
-
-
-def _mark_exiting() -> None:
-    _shared_clock().value = EXITING
-
-
-def mark_stop_began() -> None:
-    """Called by the main process's stop handler; the workers' handlers read it."""
-    _shared_clock().value = time.monotonic()
-
-
-def clear_stop() -> None:
-    _shared_clock().value = 0.0
 
 
 def _on_stop_signal(stop_began, signum, frame) -> None:
@@ -78,12 +52,12 @@ def _on_stop_signal(stop_began, signum, frame) -> None:
 def init_worker(stop_began, worker_id: int) -> None:
     """worker_init_fn (bound to the shared stop clock with functools.partial)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    for sig in STOP_SIGNALS:
+    for sig in WORKER_SIGNALS:
         signal.signal(sig, partial(_on_stop_signal, stop_began))
 
 
 def worker_init_fn():
-    return partial(init_worker, _shared_clock())
+    return partial(init_worker, stop_clock())
 
 
 def start_helper_processes(context: str | None) -> None:
@@ -99,7 +73,7 @@ def start_helper_processes(context: str | None) -> None:
         return
     from multiprocessing import forkserver, resource_tracker
 
-    ignored = (signal.SIGINT, *STOP_SIGNALS)
+    ignored = STOP_SIGNALS
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
     try:
         resource_tracker.ensure_running()
@@ -111,7 +85,7 @@ def start_helper_processes(context: str | None) -> None:
 
 
 def _on_child_exit(previous, signum, frame) -> None:
-    if _shared_clock().value:
+    if stopping():
         # stopping: next() reports dead workers, at a point where the trainer can stop cleanly;
         # exiting: multiprocessing is ending the workers itself
         return
@@ -131,7 +105,12 @@ class SignalSafeLoader(DataLoader):
         self._iterator = None
 
     def _get_iterator(self):
-        iterator = super()._get_iterator()
+        with warnings.catch_warnings():
+            # PyTorch warns on every iterator when num_workers exceeds os.sched_getaffinity; the
+            # lint says it once, against the real budget (cgroup quota and Slurm included), with the fix.
+            warnings.filterwarnings("ignore", message="This DataLoader will create .* worker processes",
+                                    category=UserWarning)
+            iterator = super()._get_iterator()
         if self.num_workers and threading.current_thread() is threading.main_thread():
             # PyTorch's SIGCHLD handler raises "worker exited unexpectedly" wherever the main
             # thread is, mid optimizer step included; while a stop is under way, let next() say it.

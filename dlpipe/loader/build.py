@@ -5,18 +5,16 @@ prefetch_factor with 0 workers, persistent workers with none to keep); here they
 and every change is returned as a note for the run log.
 """
 
-import warnings
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from dlpipe.data.worker_signals import SignalSafeLoader, worker_init_fn
-
-# PyTorch warns on every iterator when num_workers exceeds os.sched_getaffinity; dlpipe.lint says
-# it once, against the real budget (cgroup quota and Slurm included), with the fix.
-warnings.filterwarnings("ignore", message="This DataLoader will create .* worker processes", category=UserWarning)
+from dlpipe.loader import policy
+from dlpipe.loader.worker_signals import SignalSafeLoader, worker_init_fn
+from dlpipe.schema import LoaderConfig
 
 
 @dataclass(frozen=True)
@@ -91,6 +89,14 @@ def _nbytes(obj) -> int:
     return 0
 
 
+def dataloader_settings(loader: LoaderConfig) -> dict:
+    """build_loader's keyword arguments from the loader config (less what is not a DataLoader setting:
+    the validation batch size and the tune provenance)."""
+    settings = dataclasses.asdict(loader)
+    del settings["val_batch_size"], settings["tuned_on"]
+    return settings
+
+
 def build_loader(
     dataset: Dataset,
     *,
@@ -149,6 +155,5 @@ def build_loader(
         generator=generator,
     )
     batch = sample_bytes(dataset) * batch_size
-    # the loader's own value: with workers and prefetch_factor=None, PyTorch prefetches 2 per worker
-    inflight = num_workers * (loader.prefetch_factor or 0) * batch
+    inflight = policy.inflight_bytes(num_workers, prefetch_factor, batch)
     return LoaderPlan(loader, [f"{role}: {n}" for n in notes], batch, inflight)

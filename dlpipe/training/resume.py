@@ -7,8 +7,8 @@ one-line error with nothing half-made.
 import logging
 from pathlib import Path
 
-from dlpipe.checkpoint import CheckpointStore
 from dlpipe.errors import ConfigError
+from dlpipe.training.checkpoint import CheckpointStore
 
 log = logging.getLogger("dlpipe")
 
@@ -42,7 +42,8 @@ def check_model_fits(model, saved: dict, path: Path) -> None:
                 f"checkpoint {path}: parameter '{name}' has shape {list(tensor.shape)} there but "
                 f"{list(current[name].shape)} in the model (model config changed?)"
             )
-    problems += [f"checkpoint {path}: the model's parameter '{n}' is missing from it" for n in current if n not in saved]
+    missing = [n for n in current if n not in saved]
+    problems += [f"checkpoint {path}: the model's parameter '{n}' is missing from it" for n in missing]
     if problems:
         raise ConfigError(problems)
 

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+from dlpipe.errors import ConfigError, DlpipeError
+
 log = logging.getLogger("dlpipe")
 
 # How long a collective may wait for a peer before failing. torchrun ends every rank when one
@@ -59,6 +61,32 @@ def ranks_from_env(environ: Mapping[str, str] | None = None) -> Ranks:
                  local_world=_int(env, "LOCAL_WORLD_SIZE", world))
 
 
+def check_ranks(ranks: Ranks, multirun: bool, device: str, environ: Mapping[str, str], devices: int = 1) -> None:
+    """What data-parallel training cannot do, refused before anything starts."""
+    if not ranks.distributed:
+        if devices > 1:  # the command-line shortcut restarts under torchrun; a config file cannot
+            raise ConfigError([f"trainer.devices={devices}: set in a config file, where it cannot start processes; "
+                               f"pass trainer.devices={devices} on the command line, or launch with "
+                               f"torchrun --nproc_per_node={devices} -m dlpipe ..."])
+        return
+    if devices > 1 and devices != ranks.local_world:
+        raise ConfigError([f"trainer.devices={devices}: this node runs {ranks.local_world} ranks (LOCAL_WORLD_SIZE); "
+                           "leave trainer.devices at 1 under your own torchrun"])
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in environ]
+    if missing:
+        raise DlpipeError(f"WORLD_SIZE={ranks.world} without {', '.join(missing)}: start data-parallel training "
+                          f"with torchrun --nproc_per_node={ranks.world} -m dlpipe ..., which sets them all")
+    if multirun and "SUBMITIT_EXECUTOR" not in environ:
+        raise DlpipeError(f"--multirun under torchrun (WORLD_SIZE={ranks.world}): every rank would run the whole "
+                          "sweep; sweep with hydra/launcher=submitit_slurm (tasks_per_node=N) or run torchrun per job")
+    if device.startswith("cuda:"):
+        raise ConfigError([f"trainer.device={device}: with {ranks.world} ranks each one takes cuda:LOCAL_RANK; "
+                           "use trainer.device=cuda"])
+    if device == "mps":
+        raise ConfigError([f"trainer.device=mps: data-parallel training ({ranks.world} ranks) needs cpu (gloo) "
+                           "or cuda (NCCL)"])
+
+
 _DEVICES = re.compile(r"\+{0,2}trainer\.devices=(\d+)")
 # Options after which dlpipe only prints or inspects, so there is nothing to start processes for.
 _NO_TRAINING = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--version", "--shell-completion", "-sc"}
@@ -80,7 +108,8 @@ def torchrun_command(args: list[str], environ: Mapping[str, str]) -> list[str] |
     n = devices_requested(args)
     if n <= 1 or "WORLD_SIZE" in environ or _NO_TRAINING & set(args):
         return None
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m", "dlpipe", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+            "-m", "dlpipe", *args]
 
 
 def export_submitit_env(environ=None) -> bool:

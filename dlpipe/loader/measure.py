@@ -2,7 +2,7 @@
 
 Used by `dlpipe bench` (one measurement) and `dlpipe tune` (many). The measured batches run across
 epoch boundaries like training does, so worker start-up at each epoch (without persistent workers)
-is part of the figure. With a `step` (tune's train mode) each batch also goes through the training
+is part of the figure. With a `step` (bench.mode=train) each batch also goes through the training
 step, because the best worker count depends on how many cores the step itself takes.
 """
 
@@ -89,17 +89,12 @@ def measure(loader, batches: int, warmup: int, sampler=None, step=None) -> Measu
     return Measurement(samples / max(seconds, 1e-9), first, batches, samples, seconds, resources)
 
 
-def train_step(model, optimizer, device: torch.device):
-    """The training step of tune's train mode: forward, loss, backward, optimizer step."""
-    from dlpipe.runner import to_device, training_loss
-
-    model.train()
-
-    def step(batch) -> None:
-        inputs, target = to_device(batch, device, non_blocking=True)
-        loss = training_loss(model(inputs), target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+def describe(metrics: dict[str, float]) -> str:
+    parts = [f"{metrics['samples_per_s']:.1f} samples/s", f"first batch {metrics['first_batch_s']:.2f} s"]
+    if "cpu_util" in metrics:
+        parts.append(f"cpu {metrics['cpu_util']:.0f}% of budget")
+    if "cpu_per_worker_pct" in metrics:
+        parts.append(f"{metrics['cpu_per_worker_pct']:.0f}% cpu and {metrics['worker_rss_mean_mb']:.0f} MB per worker")
+    if "tree_rss_peak_mb" in metrics:
+        parts.append(f"peak {metrics['tree_rss_peak_mb']:.0f} MB in all")
+    return ", ".join(parts)

@@ -38,7 +38,8 @@ def more_workers(num_workers: int, cpu_budget: int) -> int:
     return max(num_workers, min(target, cpu_budget))
 
 
-def diagnose(metrics: dict[str, float], *, num_workers: int, cpu_budget: int, pin_memory: bool, device_type: str) -> Verdict:
+def diagnose(metrics: dict[str, float], *, num_workers: int, cpu_budget: int, pin_memory: bool,
+             device_type: str) -> Verdict:
     """The bottleneck of one epoch (or of a run, given epoch means)."""
     wait = metrics.get("data_wait_frac", 0.0)
     cpu = metrics.get("cpu_util")
@@ -59,7 +60,8 @@ def diagnose(metrics: dict[str, float], *, num_workers: int, cpu_budget: int, pi
             "items wait on I/O or locks: raise loader.prefetch_factor or read faster storage",
         )
     if device_type == "cuda" and h2d >= H2D_BOUND:
-        advice = "set loader.pin_memory=true" if not pin_memory else "send less data per step (uint8 images, normalise on the GPU)"
+        advice = ("set loader.pin_memory=true" if not pin_memory
+                  else "send less data per step (uint8 images, normalise on the GPU)")
         return Verdict("host-to-device-bound", f"{h2d:.0%} of the epoch blocked in host-to-device copies", advice)
     return Verdict("compute-bound", f"the loader keeps up (data wait {wait:.0%})", "")
 

@@ -83,7 +83,8 @@ class StepProfiler:
             self._close()
         if self.enabled and self._written is None:
             log.warning(
-                "trainer/telemetry profile window (wait=%d, steps=%d) was never reached: the run had only %d micro-steps",
+                "trainer/telemetry profile window (wait=%d, steps=%d) was never reached: "
+                "the run had only %d micro-steps",
                 self.wait, self.steps, self._taken,
             )
         self._result = [p for p in self._written or [] if p.exists()]

@@ -19,10 +19,10 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dlpipe.job import PARENT_RUN_ENV
 from dlpipe.redact import redact_text
-from dlpipe.sweep_report import job_names, sweep_plot, sweep_table
-from dlpipe.tracking import PARENT_TAG, Terminated, client_for, experiment_id
+from dlpipe.stop import STOP_SIGNALS, Terminated
+from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG, client_for, experiment_id
+from dlpipe.tracking.sweep_report import job_names, sweep_plot, sweep_table
 
 log = logging.getLogger("dlpipe")
 
@@ -62,7 +62,7 @@ class SweepTracking(Callback):
         # Hydra's sweeper raises a failed job's error before on_multirun_end, and a signal would
         # end the process without it: atexit plus these handlers end the parent in every case.
         atexit.register(self._finish)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
         log.info("sweep parent MLflow run %s", self.parent_id)
 
@@ -114,7 +114,8 @@ class SweepTracking(Callback):
         tags = {"dlpipe.jobs": str(len(children)), "dlpipe.failed_jobs": str(len(failed))}
         if failed:
             tags["dlpipe.failed_overrides"] = " | ".join(sorted(failed))
-        killed = self.interrupted or next((r.data.tags.get("dlpipe.end_reason") for r in children if r.info.status == "KILLED"), None)
+        killed_children = (r.data.tags.get("dlpipe.end_reason") for r in children if r.info.status == "KILLED")
+        killed = self.interrupted or next(killed_children, None)
         if killed:
             status, tags["dlpipe.end_reason"] = "KILLED", f"interrupted: {killed}"
         elif failed or not ended_cleanly:

@@ -7,6 +7,7 @@ worker without saying which sample); here they become one line with the likely c
 from torch.utils.data import Dataset
 
 from dlpipe.errors import DataError
+from dlpipe.schema import LoaderConfig
 
 
 class SampleError(DataError):
@@ -64,19 +65,19 @@ class NamedErrors(Dataset):
         return str(i)
 
 
-def explain_loader_failure(error: BaseException, loader: dict) -> str | None:
+def explain_loader_failure(error: BaseException, loader: LoaderConfig) -> str | None:
     """One line for a DataLoader RuntimeError about its workers, or None if it is something else."""
     text = str(error)
     if "exited unexpectedly" in text or "killed by signal" in text:
         first = text.splitlines()[0]
         return (
             f"{first}: usually the out-of-memory killer or a full /dev/shm (Docker's default is 64 MB: "
-            f"raise --shm-size); try fewer loader.num_workers (now {loader['num_workers']}), a smaller "
-            f"loader.prefetch_factor (now {loader['prefetch_factor']}) or loader.batch_size (now {loader['batch_size']})"
+            f"raise --shm-size); try fewer loader.num_workers (now {loader.num_workers}), a smaller "
+            f"loader.prefetch_factor (now {loader.prefetch_factor}) or loader.batch_size (now {loader.batch_size})"
         )
     if "timed out after" in text:
         return (
-            f"loader.timeout={loader['timeout']}: no batch arrived from the workers in {loader['timeout']} s "
+            f"loader.timeout={loader.timeout}: no batch arrived from the workers in {loader.timeout} s "
             "(a worker is stuck: slow storage, a deadlock in the dataset, or a too-small timeout)"
         )
     return None

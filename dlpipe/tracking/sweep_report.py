@@ -135,7 +135,8 @@ def sweep_plot(children, names: dict[str, str], path: Path) -> Path | None:
         axes[0].get_yticklabels()[ys[runs.index(best)]].set_fontweight("bold")
     headline = f"sweep: {len(runs)} jobs, last epoch of each"
     if best is not None:
-        headline += f"; best: {names.get(best_id) or best.info.run_name} ({best.data.metrics['samples_per_s']:.1f} samples/s)"
+        name = names.get(best_id) or best.info.run_name
+        headline += f"; best: {name} ({best.data.metrics['samples_per_s']:.1f} samples/s)"
     fig.suptitle("\n".join(textwrap.wrap(headline, 40 + 30 * len(panels))), fontsize=10)
     legend = [Patch(facecolor=BEST_COLOR, edgecolor="black", label="best: highest samples/s among FINISHED"),
               Patch(facecolor=OTHER_COLOR, label="FINISHED"),

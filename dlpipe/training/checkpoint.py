@@ -6,7 +6,8 @@ so every file here is written to a temp file in the same directory, fsynced and 
 target: a reader sees either the old file or the new one.
 
 Files are loaded with `weights_only=True` (the torch default): states must be plain containers,
-numbers, strings and tensors -- no DictConfig, no custom classes (see DESIGN.md).
+numbers, strings and tensors -- no DictConfig, no custom classes: torch.load refuses anything else
+with weights_only=True, and loading with it off would run arbitrary pickled code from the file.
 """
 
 from __future__ import annotations

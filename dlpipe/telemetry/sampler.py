@@ -82,7 +82,8 @@ MIN_CPU_SPAN_S = 0.1
 
 # Levels read at a sampling instant; window() gives their means weighted by the span each sample
 # closes, so the tiny sample taken inside window() counts for as little time as it covers.
-LEVEL_KEYS = ("rss_mb", "workers_rss_mb", "worker_rss_max_mb", "workers_alive", "sys_mem_used_pct", "shm_used_mb", "gpu_util", "gpu_mem_used_mb")
+LEVEL_KEYS = ("rss_mb", "workers_rss_mb", "worker_rss_max_mb", "workers_alive", "sys_mem_used_pct", "shm_used_mb",
+              "gpu_util", "gpu_mem_used_mb")
 
 
 # How multiprocessing starts its helper processes: `python -c 'from multiprocessing.<name> import main...'`.
@@ -143,8 +144,9 @@ class ResourceSampler:
         while not self._stop.wait(self.interval_s):
             self._sample()
 
-    def _read_tree(self) -> tuple[float, float, float, int]:
-        """Cumulative CPU seconds of (this process, its descendants), the descendants' total and largest RSS, their count.
+    def _read_tree(self) -> tuple[float, float, int, int, int]:
+        """Cumulative CPU seconds of (this process, its descendants), the descendants' total and largest
+        RSS in bytes, and how many of them are DataLoader workers.
 
         A descendant's CPU is in exactly one place: its own times while it is listed, its reaper's
         children times once it was reaped (DataLoader joins its workers; forkserver workers are

@@ -1,113 +1,31 @@
 """The training loop. Reads top to bottom: epochs -> micro-batches -> optimizer steps -> validation.
 
-It takes built objects and plain settings (no config framework), so tests drive it directly.
+It takes built objects, the trainer's typed settings (dlpipe.schema.TrainerConfig) and small Protocols
+(no config framework, no tracker), so tests drive it directly.
 """
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
-from dlpipe import rng
 from dlpipe.console import Progress
-from dlpipe.telemetry import EpochClock, ResourceSampler
+from dlpipe.schema import TrainerConfig
+from dlpipe.stop import StopRequest, StopTraining
+from dlpipe.telemetry.sampler import EpochClock, ResourceSampler
+from dlpipe.training import rng
+from dlpipe.training.accumulation import Window
+
+# Also importable from here: tests and benchmarks drive the loop with these names.
+from dlpipe.training.batches import loss_and_correct, non_blocking_copies, to_device, training_loss, workers_died
+from dlpipe.training.protocols import MetricSink, NoMetrics, Peers
 
 log = logging.getLogger(__name__)
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class StopTraining(Exception):
-    """Training stopped because stop_requested was set (by a signal): at an optimizer step
-    (`interrupted_at` says after which batch), or mid-accumulation when the loader's workers died
-    of the same signal (`interrupted_at` stays None: there is no step to checkpoint)."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-def workers_died(error: RuntimeError) -> bool:
-    text = str(error)
-    return "DataLoader worker" in text and ("exited unexpectedly" in text or "killed by signal" in text)
-
-
-class MetricSink(Protocol):
-    """What the loop needs from a tracker: cheap metric recording, and a flush between epochs."""
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
-
-    def flush(self) -> None: ...
-
-
-class Peers(Protocol):
-    """The other ranks of a data-parallel job (dlpipe.distributed.Collectives)."""
-
-    def sum(self, values: list[float]) -> list[float]: ...
-
-    def any(self, flag: bool) -> bool: ...
-
-    def barrier(self) -> None: ...
-
-    def epoch_row(self, row: dict[str, float]) -> dict[str, float]: ...
-
-
-class NoMetrics:
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        return None
-
-    def flush(self) -> None:
-        return None
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """Plain copy of the trainer config (see dlpipe/config/schema.py for each field's meaning)."""
-
-    epochs: int = 1
-    max_steps: int = -1
-    limit_train_batches: int = -1
-    limit_val_batches: int = -1
-    accumulate: int = 1
-    grad_clip: float = 0.0
-    device: str = "cpu"
-    amp: str = "off"
-    empty_cache_every: int = 0
-    log_every: int = 50
-    progress: bool = True
-    cuda_sync_every: int = 25
-
-
-def _flat(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if logits.dim() == 3:  # [B, T, V] logits are token-level
-        return logits.reshape(-1, logits.size(-1)), target.reshape(-1)
-    return logits, target
-
-
-def training_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy; no accuracy: its argmax would cost every step for a number nobody logs."""
-    return F.cross_entropy(*_flat(logits, target))
-
-
-def loss_and_correct(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy and the count of correct predictions (validation)."""
-    logits, target = _flat(logits, target)
-    return F.cross_entropy(logits, target), (logits.argmax(dim=-1) == target).sum()
-
-
-def to_device(batch, device: torch.device, non_blocking: bool):
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device, non_blocking) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
-    return batch
+_END = object()  # _next_batch: no more batches this epoch
 
 
 class Trainer:
@@ -117,16 +35,18 @@ class Trainer:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        settings: TrainSettings,
+        settings: TrainerConfig,
         metrics: MetricSink | None = None,
         sampler: ResourceSampler | None = None,
         empty_cache: Callable[[], None] | None = None,
         on_epoch: Callable[[dict[str, float]], None] | None = None,
         profiler=None,
         peers: Peers | None = None,
+        stop: StopRequest | None = None,
+        cuda_sync_every: int = 25,
     ):
         """`on_epoch` sees each epoch's metrics after they are logged (the job prints the verdict
-        there); `profiler` gets .step() after every micro-batch (dlpipe.profiling.StepProfiler).
+        there); `profiler` gets .step() after every micro-batch (dlpipe.telemetry.profiling.StepProfiler).
 
         With `peers` (a data-parallel job, process group started), the model is wrapped in
         DistributedDataParallel, the loaders must give each rank its share, and every logged
@@ -142,7 +62,8 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel
 
             # Broadcasts rank 0's parameters: every rank starts from the same weights.
-            self.net = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.net = DistributedDataParallel(self.model, device_ids=device_ids)
         self.optimizer = optimizer
         self.metrics = metrics or NoMetrics()
         self.sampler = sampler
@@ -153,10 +74,8 @@ class Trainer:
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=settings.amp == "fp16")
         self.step = 0  # optimizer steps taken
-        self.stop_requested: str | None = None  # set (by a signal handler) to stop at the next optimizer step
-        self.peer_stop = False  # stopping because another rank was asked to (stop_requested stays this rank's own)
-        self.stopping = False  # set while a stop is being recorded (checkpoint, tracking)
-        self.interrupted_at: int | None = None  # batches done in the epoch a stop interrupted
+        self.stop = stop or StopRequest()  # a signal handler (dlpipe.stop) sets it; read at every optimizer step
+        self.cuda_sync_every = cuda_sync_every
         self._epoch_start_generator = None
         self._resume: tuple[int, dict] | None = None
         self._log_loss = torch.zeros((), device=self.device)  # loss since the last train_loss_step
@@ -172,14 +91,14 @@ class Trainer:
         """Everything needed to continue exactly where training stopped, as plain containers and
         tensors (loadable with torch.load(weights_only=True)): after the last finished epoch, or,
         after a stop request, after the last optimizer step of the interrupted epoch."""
-        mid_epoch = self.interrupted_at is not None
+        mid_epoch = self.stop.interrupted_epoch
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.step,
             "epoch": len(self.history),  # finished epochs
-            "batches_done": self.interrupted_at or 0,  # of the next epoch; always at an optimizer step
+            "batches_done": self.stop.at_batch or 0,  # of the next epoch; always at an optimizer step
             "history": [dict(r) for r in self.history],
             "rng": rng.capture(),
             # The shuffling order and worker seeds of an epoch come from this generator: after a
@@ -213,8 +132,8 @@ class Trainer:
                 break
             row = {"epoch": float(epoch)}
             row.update(self.train_epoch(train_loader, epoch))
-            if self.interrupted_at is not None:
-                raise StopTraining(self.stop_requested or ("a stop on another rank" if self.peer_stop else "stop"))
+            if self.stop.interrupted_epoch:
+                raise StopTraining(self.stop.reason())
             if val_loader is not None and s.limit_val_batches != 0:
                 row.update(self.validate(val_loader))
             if self.sampler is not None:
@@ -237,85 +156,39 @@ class Trainer:
     def train_epoch(self, loader, epoch: int) -> dict[str, float]:
         s = self.settings
         self.model.train()
-        total = len(loader) if hasattr(loader, "__len__") else None
-        if s.limit_train_batches > 0:
-            total = min(total, s.limit_train_batches) if total is not None else s.limit_train_batches
+        total = self._batches_per_epoch(loader)
         progress = Progress(epoch, s.epochs, total, enabled=s.progress)
-        # A window is the micro-batches of one optimizer step; the loss of each is scaled by its
-        # share of the nominal window so gradients sum to a mean over samples (see _optimizer_step).
-        batch_size = getattr(loader, "batch_size", None)  # None with a custom batch_sampler
-        window_micro = window_samples = nominal = 0
-        loss_sum = torch.zeros((), device=self.device)  # stays on device: no sync per step
-        seen = 0
-        non_blocking = self.device.type == "cuda" and getattr(loader, "pin_memory", False)
+        iterator, done = self._start_epoch(loader, epoch)
         # Copies are timed off the CPU only: pageable copies block here, pinned non_blocking ones
-        # only enqueue, so the time measured is what the host really waits for.
-        time_copies = self.device.type != "cpu"
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-        generator = getattr(loader, "generator", None)
-        self._epoch_start_generator = generator.get_state() if generator is not None else None
-        pending, self._resume = self._resume, None
-        done, resume_rng = pending if pending else (0, None)
-        sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)  # the order depends on (seed, epoch) only: resumable, like DistributedSampler
-        iterator = iter(loader)
-        for _ in range(done):  # resuming mid-epoch: same order and worker seeds, so skip what was trained
-            if next(iterator, None) is None:
-                break  # the epoch is shorter than when the checkpoint was written (batch size changed)
-        if resume_rng is not None:
-            rng.restore(resume_rng)
-        clock = EpochClock(h2d_s=0.0 if time_copies else None)  # the skipped batches are not this epoch's time
+        # only enqueue, so the time measured is what the host really waits for. The clock starts
+        # after the replay of a resumed epoch: the skipped batches are not this epoch's time.
+        clock = EpochClock(h2d_s=0.0 if self.device.type != "cpu" else None)
+        non_blocking = non_blocking_copies(self.device, loader)
+        window = Window(s.accumulate, getattr(loader, "batch_size", None))
+        loss_sum = torch.zeros((), device=self.device)  # stays on device: no sync per step
         while total is None or done < total:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            except RuntimeError as e:
-                if not (self.stop_requested and workers_died(e)):
-                    raise
-                # The stop signal reached the workers too (scancel, kill -PGID) while a spawned
-                # worker was still starting, before it could shield itself: stop here if this is
-                # an optimizer step boundary, else keep the last epoch's checkpoint as the resume point.
-                if window_micro:
-                    raise StopTraining(self.stop_requested) from None
-                self.interrupted_at = done
+            batch = self._next_batch(iterator, window.micro > 0, done)
+            if batch is _END:
                 break
             clock.waited()
-            if time_copies:
-                started = time.perf_counter()
-                inputs, target = to_device(batch, self.device, non_blocking)
-                clock.h2d_s += time.perf_counter() - started
-            else:
-                inputs, target = to_device(batch, self.device, non_blocking)
+            inputs, target = self._to_device(batch, non_blocking, clock)
             n = target.shape[0]
-            if window_micro == 0:
-                # samples a full window holds; from the first micro-batch when a sampler makes batches
-                nominal = s.accumulate * (batch_size or n)
+            scale = window.add(n)
+            last = done + 1 == total  # the epoch's last batch; never known without a length
+            # The epoch's last batch ends its window too: a last, partial window still updates the model.
+            steps_now = window.full or last
             # DDP averages gradients over ranks in backward; on the micro-batches that do not end
             # an optimizer step there is nothing to average yet, so skip that communication.
-            steps_now = window_micro + 1 == s.accumulate or (total is not None and done + 1 >= total)
             with nullcontext() if steps_now or self.net is self.model else self.net.no_sync():
                 with self._autocast():
                     loss = training_loss(self.net(inputs), target)
-                self.scaler.scale(loss * (n / nominal)).backward()
+                self.scaler.scale(loss * scale).backward()
             detached = loss.detach()
             loss_sum.add_(detached, alpha=n)  # in place, one op: this runs every micro-step
             self._log_loss.add_(detached, alpha=n)
             self._log_samples += n
-            seen += n
-            window_micro += 1
-            window_samples += n
-            if window_micro == s.accumulate:
-                self._optimizer_step(window_samples, nominal)
-                window_micro = window_samples = 0
-                if cuda and s.cuda_sync_every and self.step % s.cuda_sync_every == 0:
-                    # CPU-GPU sync point, on purpose and rarely: without it the host runs ahead and
-                    # GPU time shows up later as "data wait" of whichever step blocks first.
-                    torch.cuda.synchronize(self.device)
+            if steps_now:
+                self._optimizer_step(window)
             if self.profiler is not None:
                 self.profiler.step()
             clock.stepped(n)
@@ -325,22 +198,84 @@ class Trainer:
             if self._done():
                 break
             # Not on the epoch's last batch: then the epoch finishes and the stop comes at the next one.
-            if window_micro == 0 and (total is None or done < total) and self._stop_now():
-                self.interrupted_at = done  # at an optimizer step: no half-accumulated gradients
+            if steps_now and not last and self._stop_now():
+                self.stop.at_batch = done  # at an optimizer step: no half-accumulated gradients
                 break
-        if window_micro:  # the last, partial window of the epoch still updates the model
-            self._optimizer_step(window_samples, nominal)
+        if window.micro:  # ended mid-window (the loader ran short of `total`, or has no length): step on it too
+            self._optimizer_step(window)
         # (The StopIteration that ends an epoch is where non-persistent workers are joined: that
         # wait counts in epoch_time_s but not in data wait.)
         del iterator
-        if cuda:
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the epoch's GPU work belongs to this epoch's time
+        return self._epoch_stats(clock, loss_sum, progress, done)
 
+    def _batches_per_epoch(self, loader) -> int | None:
+        """Micro-batches to train on this epoch: the loader's length (None without one), capped
+        by limit_train_batches."""
+        limit = self.settings.limit_train_batches
+        total = len(loader) if hasattr(loader, "__len__") else None
+        if limit > 0:
+            total = min(total, limit) if total is not None else limit
+        return total
+
+    def _start_epoch(self, loader, epoch: int) -> tuple[Iterator, int]:
+        """iter(loader) for `epoch` and how many of its batches were already trained on: resuming
+        mid-epoch (load_state_dict), the iterator is already past them."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # the epoch's cuda_max_allocated_mb
+        generator = getattr(loader, "generator", None)
+        # state_dict() after a stop saves this: resuming replays the interrupted epoch's order
+        self._epoch_start_generator = generator.get_state() if generator is not None else None
+        pending, self._resume = self._resume, None
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)  # the order depends on (seed, epoch) only: resumable, like DistributedSampler
+        iterator = iter(loader)
+        if pending is None:
+            return iterator, 0
+        done, resume_rng = pending
+        for _ in range(done):  # resuming mid-epoch: same order and worker seeds, so skip what was trained
+            if next(iterator, None) is None:
+                break  # the epoch is shorter than when the checkpoint was written (batch size changed)
+        rng.restore(resume_rng)  # fetching the skipped batches may have drawn from the RNGs
+        return iterator, done
+
+    def _next_batch(self, iterator: Iterator, mid_window: bool, done: int):
+        """The loader's next batch, or _END: the epoch is over, or the loader's workers died of the
+        stop signal at an optimizer step (then `stop.at_batch` is set)."""
+        try:
+            return next(iterator)
+        except StopIteration:
+            return _END
+        except RuntimeError as e:
+            if not (self.stop.requested and workers_died(e)):
+                raise
+            # The stop signal reached the workers too (scancel, kill -PGID) while a spawned
+            # worker was still starting, before it could shield itself: stop here if this is
+            # an optimizer step boundary, else keep the last epoch's checkpoint as the resume point.
+            if mid_window:
+                raise StopTraining(self.stop.reason()) from None
+            self.stop.at_batch = done
+            return _END
+
+    def _to_device(self, batch, non_blocking: bool, clock: EpochClock):
+        """to_device, timed into clock.h2d_s when the clock measures copies."""
+        if clock.h2d_s is None:
+            return to_device(batch, self.device, non_blocking)
+        started = time.perf_counter()
+        moved = to_device(batch, self.device, non_blocking)
+        clock.h2d_s += time.perf_counter() - started
+        return moved
+
+    def _epoch_stats(
+        self, clock: EpochClock, loss_sum: torch.Tensor, progress: Progress, done: int
+    ) -> dict[str, float]:
         stats = clock.summary()
-        if cuda:
+        if self.device.type == "cuda":
             stats["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
             stats["cuda_reserved_mb"] = torch.cuda.memory_reserved(self.device) / 2**20
-        stats["train_loss"] = (loss_sum / max(seen, 1)).item()  # one sync per epoch
+        stats["train_loss"] = (loss_sum / max(clock.samples, 1)).item()  # one sync per epoch
         progress.close(done, stats["samples_per_s"], stats["data_wait_frac"])
         return stats
 
@@ -348,32 +283,28 @@ class Trainer:
         """Whether to stop at this optimizer step. All ranks must stop at the same step (DDP's
         next backward would wait for the missing ones), and a signal may reach only some of them."""
         if self.peers is None:
-            return self.stop_requested is not None
-        if self.peers.any(self.stop_requested is not None):
-            self.peer_stop = self.stop_requested is None
+            return self.stop.requested
+        if self.peers.any(self.stop.requested):
+            self.stop.by_peer = not self.stop.requested
             return True
         return False
 
-    def _optimizer_step(self, window_samples: int, nominal: int) -> None:
+    def _optimizer_step(self, window: Window) -> None:
+        """Step on the window's gradients, start the next window, and do the every-N-steps work."""
         s = self.settings
-        if window_samples != nominal:
-            # Partial window (end of epoch, short last batch): the per-micro-batch shares summed to
-            # window_samples / nominal; rescale so the update is the mean over the samples seen.
-            # (Scaling the still loss-scaled fp16 gradients is fine: the scaler divides later.)
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(nominal / window_samples)
+        window.mean_over_samples(self.optimizer)  # before clipping: a partial window clips its mean too
         if s.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        window.clear()
         self.step += 1
         if s.empty_cache_every and self.step % s.empty_cache_every == 0:
             self.empty_cache()
-            log.info("step %d: released cached CUDA memory (trainer.empty_cache_every=%d)", self.step, s.empty_cache_every)
+            log.info("step %d: released cached CUDA memory (trainer.empty_cache_every=%d)",
+                     self.step, s.empty_cache_every)
         if self.step % s.log_every == 0:
             # .item() is a CPU-GPU sync point: only once every log_every steps.
             loss_sum, samples = self._log_loss.item(), self._log_samples
@@ -383,6 +314,10 @@ class Trainer:
             self.metrics.log_metrics({"train_loss_step": mean}, step=self.step)
             self._log_loss.zero_()
             self._log_samples = 0
+        if self.device.type == "cuda" and self.cuda_sync_every and self.step % self.cuda_sync_every == 0:
+            # CPU-GPU sync point, on purpose and rarely: without it the host runs ahead and
+            # GPU time shows up later as "data wait" of whichever step blocks first.
+            torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
     def validate(self, loader) -> dict[str, float]:
@@ -391,7 +326,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), device=self.device, dtype=torch.long)
         samples = targets = 0
-        non_blocking = self.device.type == "cuda" and getattr(loader, "pin_memory", False)
+        non_blocking = non_blocking_copies(self.device, loader)
         for i, batch in enumerate(loader):
             if 0 < s.limit_val_batches <= i:
                 break

@@ -1,13 +1,17 @@
-"""Typed schemas for the config groups that dlpipe itself interprets.
+"""Typed schemas for the config groups that dlpipe itself interprets: every key is declared here, once.
+
+A leaf module (plain dataclasses; no torch, no Hydra): the tasks pass these objects, validated, to
+the runner, the loader builder and the trackers, so a new key reaches its user by being declared
+here and read there, never by being copied into another settings class.
 
 `dataset`, `model` and `optim` are `_target_` nodes (any importable class, checked against its
 signature before anything is built), so they are open dicts here. The other groups are closed
 dataclasses: a typo or a wrong type fails at composition, naming the key. Ranges and cross-field
-rules live in `validation.py` because OmegaConf does not run `__post_init__` on merges.
+rules live in `config/validation.py` because OmegaConf does not run `__post_init__` on merges.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -22,7 +26,7 @@ class LoaderConfig:
     """Worker processes; 0 loads in the main process (best for in-memory tensors)."""
     pin_memory: bool = False
     """Page-locked host buffers for faster, asynchronous host-to-GPU copies; useless without CUDA."""
-    prefetch_factor: Optional[int] = None
+    prefetch_factor: int | None = None
     """Batches each worker keeps ready; RAM held = workers x prefetch x batch bytes. None with 0 workers."""
     persistent_workers: bool = False
     """Keep workers alive across epochs (saves their start-up; holds their memory)."""
@@ -32,11 +36,11 @@ class LoaderConfig:
     """Drop the last incomplete training batch (keeps batch statistics and step counts uniform)."""
     timeout: float = 0.0
     """Seconds to wait for a batch from a worker before failing; 0 waits forever."""
-    multiprocessing_context: Optional[str] = None
+    multiprocessing_context: str | None = None
     """Worker start method: fork, spawn or forkserver; None uses the platform default."""
-    val_batch_size: Optional[int] = None
+    val_batch_size: int | None = None
     """Validation batch size; None uses batch_size (no gradients, so larger is usually fine)."""
-    tuned_on: Optional[str] = None
+    tuned_on: str | None = None
     """Set by `dlpipe tune` in the file it writes ("cpu_budget=N host=NAME"): the values were measured
     there, so the lint trusts them on a machine with the same CPU budget and says to re-tune elsewhere."""
 
@@ -74,7 +78,8 @@ class TrainerConfig:
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True): reproducible kernels, sometimes slower."""
     log_every: int = 50
-    """Send the training loss to the tracker every N optimizer steps (asynchronously)."""
+    """Record the training loss every N optimizer steps (buffered in memory, written to the tracker
+    between epochs: a write inside the loop would cost the step)."""
     progress: bool = True
     """Show a progress bar per epoch (a line per epoch when stderr is not a terminal)."""
 
@@ -89,7 +94,7 @@ class TrackingConfig:
     """MLflow tracking URI: a SQLite file (relative to the working directory) or an http(s) server."""
     experiment: str = "dlpipe"
     """MLflow experiment name."""
-    run_name: Optional[str] = None
+    run_name: str | None = None
     """Run name; None derives one from the recipe and the overrides."""
     request_timeout_s: float = 10.0
     """HTTP timeout per tracking request, so an unreachable server fails in seconds, not minutes."""
@@ -124,14 +129,14 @@ class CheckpointConfig:
 
     enabled: bool = True
     """Write a checkpoint at the end of every epoch."""
-    dir: Optional[str] = None
+    dir: str | None = None
     """Where checkpoints live; None means `checkpoints/` in the job's output directory."""
     resume: str = "auto"
     """auto: resume from the newest readable checkpoint in `dir` if there is one; must: fail if
     there is none; never: always start from scratch (existing checkpoints are left alone)."""
     keep_last: int = 2
     """Epoch checkpoints to keep (the best one is kept in addition)."""
-    monitor: Optional[str] = "val_loss"
+    monitor: str | None = "val_loss"
     """Epoch metric that decides best.pt; None keeps no best checkpoint."""
     mode: str = "min"
     """min or max: whether a lower or a higher `monitor` is better."""
@@ -152,7 +157,7 @@ class BenchConfig:
     """tune: measurements per candidate, the median counts; the start candidate's spread is the noise."""
     min_gain: float = 0.03
     """tune: a candidate must beat the best by this fraction (or by twice the measured noise) to win."""
-    max_workers: Optional[int] = None
+    max_workers: int | None = None
     """tune: the most workers tried; None = the CPU budget plus half of it (at least 2 more)."""
     output_dir: str = "tuned"
     """tune: the written config goes to OUTPUT_DIR/loader/NAME.yaml; use it with
@@ -177,10 +182,3 @@ class DlpipeConfig:
     task: str = "train"
     """train, bench or tune (`dlpipe bench ...` and `dlpipe tune ...` set it)."""
 
-
-def register_schemas() -> None:
-    """Store the schemas in Hydra's ConfigStore (idempotent: the store overwrites by name)."""
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=DlpipeConfig)

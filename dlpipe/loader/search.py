@@ -1,0 +1,161 @@
+"""The loader search behind `dlpipe tune`: candidates, trials, the memory guard and the climb.
+
+The search starts at the automatic values and measures rather than guesses, with far fewer
+trials than the full grid:
+1. the automatic config, `bench.repeats` times: its spread is the noise; a candidate has to beat
+   the best by max(bench.min_gain, 2 x noise) to win;
+2. num_workers=0, always: for data already in memory the main process beats any worker count,
+   and a climb from the automatic value through 1 worker (often the slowest choice) would stop
+   before reaching 0;
+3. unless 0 won, a climb over the worker ladder (0 1 2 3 4 6 8 12 16 ...) up from the automatic
+   value while it improves, else down towards 1; at most bench.max_workers (default: the CPU
+   budget plus half of it). A start with no workers (loader=pytorch) first tries the automatic
+   worker count and climbs from there if it wins;
+4. with the best worker count: prefetch_factor doubled, persistent_workers flipped (only when the
+   measurement crosses an epoch boundary, where it matters), pin_memory flipped (only with CUDA).
+Before each trial a memory guard estimates workers x prefetch_factor x batch bytes against free
+/dev/shm and the RAM the workers would take against available memory, and skips what does not fit.
+"""
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+from dlpipe.loader import policy
+
+LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    num_workers: int
+    prefetch_factor: int | None
+    persistent_workers: bool
+    pin_memory: bool
+
+    def label(self) -> str:
+        if self.num_workers == 0:
+            return "num_workers=0" + (" pin_memory=true" if self.pin_memory else "")
+        return (f"num_workers={self.num_workers} prefetch_factor={self.prefetch_factor} "
+                f"persistent_workers={str(self.persistent_workers).lower()} pin_memory={str(self.pin_memory).lower()}")
+
+    def settings(self) -> dict:
+        return {"num_workers": self.num_workers, "prefetch_factor": self.prefetch_factor if self.num_workers else None,
+                "persistent_workers": self.persistent_workers and self.num_workers > 0, "pin_memory": self.pin_memory}
+
+    def with_workers(self, n: int) -> "Candidate":
+        if n == 0:
+            return replace(self, num_workers=0, prefetch_factor=None, persistent_workers=False)
+        return replace(self, num_workers=n, prefetch_factor=self.prefetch_factor or policy.PREFETCH_DEFAULT)
+
+
+@dataclass
+class Trial:
+    candidate: Candidate
+    runs: list[float] = field(default_factory=list)  # samples/s of each measurement
+    metrics: dict[str, float] = field(default_factory=dict)  # of the median measurement
+    skipped: str | None = None
+
+    @property
+    def samples_per_s(self) -> float:
+        return statistics.median(self.runs) if self.runs else 0.0
+
+
+def memory_guard(c: Candidate, batch_bytes: int, shm_free: int | None, ram_available: int,
+                 worker_rss_bytes: float) -> str | None:
+    """Why `c` would not fit in memory here, or None."""
+    if c.num_workers == 0:
+        return None
+    inflight = policy.inflight_bytes(c.num_workers, c.prefetch_factor, batch_bytes)
+    if policy.shm_overflow(inflight, shm_free):
+        prefetch = policy.prefetch_in_effect(c.num_workers, c.prefetch_factor)
+        return (f"{c.num_workers} workers x prefetch {prefetch} x {batch_bytes / 2**20:.1f} MB = "
+                f"{inflight / 2**20:.0f} MB in flight, over half the {shm_free / 2**20:.0f} MB free in /dev/shm")
+    ram = c.num_workers * worker_rss_bytes + inflight
+    if ram > policy.RAM_SHARE * ram_available:
+        return (f"{c.num_workers} workers would take about {ram / 2**20:.0f} MB, over {policy.RAM_SHARE:.0%} of the "
+                f"{ram_available / 2**20:.0f} MB available")
+    return None
+
+
+class Search:
+    """The search of the module docstring over an `evaluate(candidate) -> Trial` function."""
+
+    def __init__(self, evaluate, min_gain: float, max_workers: int, tune_persistent: bool, tune_pin: bool,
+                 seed_workers: int = 2):
+        """`seed_workers`: where to start climbing when the start config has no workers."""
+        self.evaluate, self.min_gain, self.max_workers = evaluate, min_gain, max_workers
+        self.seed_workers = seed_workers
+        self.tune_persistent, self.tune_pin = tune_persistent, tune_pin
+        self.trials: dict[Candidate, Trial] = {}
+        self.threshold = min_gain
+
+    def _score(self, c: Candidate) -> float:
+        if c not in self.trials:
+            self.trials[c] = self.evaluate(c)
+        trial = self.trials[c]
+        return 0.0 if trial.skipped else trial.samples_per_s
+
+    def _better(self, c: Candidate, best: Candidate) -> bool:
+        return self._score(c) > self._score(best) * (1 + self.threshold)
+
+    def run(self, start: Candidate) -> Candidate:
+        self._score(start)
+        runs = self.trials[start].runs
+        if len(runs) >= 2 and statistics.median(runs) > 0:
+            noise = (max(runs) - min(runs)) / statistics.median(runs)
+            self.threshold = max(self.min_gain, 2 * noise)
+        best = start
+        if start.num_workers != 0:
+            if self._better(start.with_workers(0), best):
+                best = start.with_workers(0)
+            else:
+                best = self._climb_workers(best)
+        else:  # a start without workers (loader=pytorch, in_memory): see whether workers help at all
+            seed = start.with_workers(max(1, min(self.seed_workers, self.max_workers)))
+            if self.max_workers and self._better(seed, best):
+                best = self._climb_workers(seed)
+        if best.num_workers:
+            prefetch = policy.prefetch_in_effect(best.num_workers, best.prefetch_factor)
+            doubled = replace(best, prefetch_factor=2 * prefetch)
+            if self._better(doubled, best):
+                best = doubled
+            if self.tune_persistent:
+                flipped = replace(best, persistent_workers=not best.persistent_workers)
+                if self._better(flipped, best):
+                    best = flipped
+        if self.tune_pin:
+            flipped = replace(best, pin_memory=not best.pin_memory)
+            if self._better(flipped, best):
+                best = flipped
+        return best
+
+    def _climb_workers(self, best: Candidate) -> Candidate:
+        ladder = sorted({n for n in LADDER if n <= self.max_workers} | {best.num_workers})
+        i = ladder.index(best.num_workers)
+        improved = False
+        for n in ladder[i + 1:]:
+            if not self._better(best.with_workers(n), best):
+                break
+            best, improved = best.with_workers(n), True
+        if not improved:
+            for n in reversed(ladder[1:i]):  # down, never to 0 (tried on its own)
+                if not self._better(best.with_workers(n), best):
+                    break
+                best = best.with_workers(n)
+        return best
+
+
+def measure_candidate(c: Candidate, dataset, loader_settings: dict, batches: int, warmup: int, repeats: int,
+                      seed: int, cuda: bool, sampler=None, step=None) -> Trial:
+    """`repeats` measurements of one candidate's loader (built fresh, its workers stopped after)."""
+    from dlpipe.loader.build import build_loader
+    from dlpipe.loader.measure import measure
+
+    settings = {**loader_settings, **c.settings()}
+    loader = build_loader(dataset, **settings, seed=seed, cuda=cuda, role="tune").loader
+    try:
+        results = [measure(loader, batches, warmup, sampler, step) for _ in range(repeats)]
+    finally:
+        loader.shutdown()  # persistent workers end here, before the next candidate starts its own
+    median = sorted(results, key=lambda r: r.samples_per_s)[len(results) // 2]
+    return Trial(c, runs=[r.samples_per_s for r in results], metrics=median.metrics())

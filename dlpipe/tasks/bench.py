@@ -1,0 +1,41 @@
+"""`dlpipe bench ...overrides`: measure the configured loader on this machine, without training.
+
+Same config, recipes and overrides as training. With `--multirun` over loader keys, each job is a
+child MLflow run and the sweep's parent gets the comparison table (the classic
+`for workers in [0, 2, 4, 8]` loop, measured after warm-up, with CPU and memory per worker).
+"""
+
+import logging
+
+from dlpipe import hardware
+from dlpipe.tasks.common import JobContext, flatten, open_run, prepare_measurement, recorded_config, run_tags
+
+log = logging.getLogger("dlpipe")
+
+
+def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
+    """Measure the configured loader; returns samples/s."""
+    from dlpipe.loader.measure import describe, measure
+
+    job = prepare_measurement(raw, resolved)
+    cfg, bench, loader = job.cfg, job.cfg.bench, job.plan.loader
+    log.info("bench: %d batches of %d after %d warm-up, num_workers=%d prefetch_factor=%s persistent_workers=%s "
+             "pin_memory=%s (%s mode)", bench.batches, cfg.loader.batch_size, bench.warmup_batches,
+             loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory, bench.mode)
+    ctx.output_dir.mkdir(parents=True, exist_ok=True)
+    shown = recorded_config(cfg)
+    params = flatten({key: shown[key] for key in ("loader", "bench", "dataset")})
+    params.update(hardware.host_facts(cpu=job.budget))
+    params["loader.batch_bytes_est"] = str(job.plan.batch_bytes)
+    with open_run(ctx, cfg.tracking, run_tags(ctx, **{"dlpipe.task": "bench"})) as tracked:
+        tracked.log_params(params)
+        job.sampler.start()
+        try:
+            result = measure(loader, bench.batches, bench.warmup_batches, job.sampler, job.step)
+        finally:
+            loader.shutdown()
+            job.sampler.stop()
+        metrics = result.metrics()
+        tracked.log_metrics(metrics, step=0)
+    print(f"bench: {describe(metrics)}", flush=True)
+    return metrics["samples_per_s"]

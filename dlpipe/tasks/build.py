@@ -1,0 +1,140 @@
+"""Objects from a validated config: dataset splits, model, optimizer and DataLoaders.
+
+Everything here runs before a tracking run exists, so every user mistake it finds (a class that
+does not build, a device this machine lacks, a batch size that leaves no batch) is a ConfigError
+naming the key, and nothing is left half-made.
+"""
+
+import copy
+from dataclasses import replace
+
+from dlpipe.errors import ConfigError, DlpipeError
+from dlpipe.loader import policy
+from dlpipe.schema import DlpipeConfig, LoaderConfig
+
+
+def _instantiate(group: str, node: dict, **extra):
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, **extra)
+    except DlpipeError:
+        raise
+    except Exception as e:  # a user's class may raise anything: name the group and target
+        cause = e.__cause__ or e  # Hydra wraps the constructor's exception
+        raise ConfigError([f"{group}._target_={node.get('_target_')}: {type(cause).__name__}: {cause}"]) from e
+
+
+def check_device(device: str) -> None:
+    """The requested device must exist here; checked before anything is built or tracked."""
+    import torch
+
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(["trainer.device=mps: this torch build or machine has no MPS device; use cpu"])
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError([f"trainer.device={device}: torch sees no CUDA device (CPU-only build or no driver); "
+                               "use trainer.device=cpu"])
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            last = torch.cuda.device_count() - 1
+            raise ConfigError([f"trainer.device={device}: only cuda:0 to cuda:{last} are visible"])
+
+
+def validation_view(dataset):
+    """The same samples without random augmentation, so every epoch and every sweep job scores
+    identical inputs. Applies to datasets with an `augment` attribute (the built-in image ones);
+    a shallow copy shares the decoded-once data."""
+    if not getattr(dataset, "augment", False):
+        return dataset
+    plain = copy.copy(dataset)
+    plain.augment = False
+    return plain
+
+
+def build_datasets(cfg: DlpipeConfig):
+    """(train split, validation split or None, the whole dataset); raises ConfigError/DataError."""
+    from torch.utils.data import Subset
+
+    from dlpipe.loader.faults import NamedErrors
+    from dlpipe.loader.split import train_val_split
+
+    check_device(cfg.trainer.device)
+    dataset = _instantiate("dataset", cfg.dataset)
+    train_set, val_set = train_val_split(dataset, cfg.trainer.val_fraction, cfg.trainer.seed)
+    if val_set is not None:
+        val_set = Subset(validation_view(dataset), val_set.indices)
+        val_set = NamedErrors(val_set)
+    return NamedErrors(train_set), val_set, dataset
+
+
+def build_model(cfg: DlpipeConfig, dataset):
+    """Model and optimizer (the model's num_classes may come from the dataset)."""
+    model_cfg = dict(cfg.model)
+    if model_cfg.get("num_classes", 0) is None:
+        if not hasattr(dataset, "num_classes"):
+            raise ConfigError([f"model.num_classes=null: {type(dataset).__name__} has no num_classes; "
+                               "set model.num_classes"])
+        model_cfg["num_classes"] = int(dataset.num_classes)
+    model = _instantiate("model", model_cfg)
+    # The model's parameters are the optimizer's first argument, `params`, passed here.
+    optimizer = _instantiate("optim", cfg.optim, params=model.parameters())
+    return model, optimizer
+
+
+def build_data_and_model(cfg: DlpipeConfig):
+    """Dataset splits, model and optimizer; raises ConfigError/DataError naming the bad key."""
+    train_set, val_set, dataset = build_datasets(cfg)
+    model, optimizer = build_model(cfg, dataset)
+    return train_set, val_set, model, optimizer
+
+
+def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, train_set,
+                       world: int = 1) -> tuple[LoaderConfig, dict[str, str]]:
+    """The automatic loader values, decided again on the built training split: the workers go when
+    items are cheap to fetch in this process (data in memory), and persistence is decided on the
+    real batches per epoch. Values the user set stand (the lint and `dlpipe tune` can question
+    them). Returns the loader settings and the reason for each value that changed."""
+    from dlpipe.config.decisions import workers_for_data
+    from dlpipe.loader.probe import item_fetch_seconds
+
+    changed = {}
+    if policy.is_auto(raw_loader["num_workers"], "auto_workers") and loader.num_workers and len(train_set):
+        decision = workers_for_data(loader.num_workers, item_fetch_seconds(train_set, loader.batch_size))
+        if decision.value != loader.num_workers:
+            loader = replace(loader, num_workers=decision.value)
+            changed["loader.num_workers"] = f"{decision.value} (auto: {decision.reason})"
+            if policy.is_auto(raw_loader["prefetch_factor"], "auto_prefetch"):
+                loader = replace(loader, prefetch_factor=None)  # follows the worker count
+    if policy.is_auto(raw_loader["persistent_workers"], "auto_persistent"):
+        batches = policy.batches_per_epoch(len(train_set), loader.batch_size, world, loader.drop_last)
+        keep, why = policy.persist_workers(loader.num_workers, epochs, batches)
+        if keep != loader.persistent_workers:
+            loader = replace(loader, persistent_workers=keep)
+            changed["loader.persistent_workers"] = f"{keep} (auto: {why})"
+    return loader, changed
+
+
+def build_loaders(cfg: DlpipeConfig, train_set, val_set, rank: int = 0, world: int = 1):
+    """Training and validation loaders (the validation one None without a split); with world > 1,
+    each loads this rank's share and loader.batch_size is per rank."""
+    from dlpipe.loader.build import build_loader, dataloader_settings
+
+    lc = dataloader_settings(cfg.loader)
+    cuda = cfg.trainer.device.startswith("cuda")
+    seed = cfg.trainer.seed
+    train = build_loader(train_set, **lc, seed=seed, cuda=cuda, role="train", rank=rank, world=world)
+    if len(train.loader) == 0:
+        raise ConfigError([
+            f"loader.batch_size={lc['batch_size']} with loader.drop_last={str(lc['drop_last']).lower()}: the training "
+            f"split has {len(train.loader.sampler)} samples{' per rank' if world > 1 else ''}, so there is no batch "
+            "to train on; lower batch_size or set drop_last=false"
+        ])
+    val = None
+    if val_set is not None:
+        # Validation never shuffles or drops samples: every run scores the same items. Its workers
+        # live only while it runs: persistent ones would sit idle, holding memory, through training.
+        lc.update(batch_size=cfg.loader.val_batch_size or lc["batch_size"], shuffle=False, drop_last=False,
+                  persistent_workers=False)
+        val = build_loader(val_set, **lc, seed=seed, cuda=cuda, role="val", rank=rank, world=world)
+    return train, val

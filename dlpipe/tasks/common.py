@@ -1,0 +1,218 @@
+"""What every task (train, bench, tune) shares: the job's context, the pre-flight checks, the tracking
+run and its tags, and the loader set-up steps that run before anything is measured or trained.
+
+Everything a user can get wrong is checked here, before a tracking run starts, so a bad value or an
+unreachable server leaves no half-made MLflow run behind.
+"""
+
+import dataclasses
+import logging
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from dlpipe import hardware
+from dlpipe.config.decisions import explain
+from dlpipe.config.validation import validate
+from dlpipe.errors import DlpipeError, first_line
+from dlpipe.redact import redact_text, redact_tree
+from dlpipe.schema import DlpipeConfig, TrackingConfig
+from dlpipe.tracking.outbox import OUTBOX_FILE, connect_error
+from dlpipe.tracking.run import PARENT_RUN_ENV
+
+log = logging.getLogger("dlpipe")
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What Hydra knows about this job, as plain values."""
+
+    output_dir: Path
+    overrides: list[str]
+    recipe: str | None
+    multirun: bool
+
+
+def preflight(raw: dict, resolved: dict, task: str) -> tuple[DlpipeConfig, dict[str, str]]:
+    """The checks every task runs before building anything: (the typed config, the reason for each
+    automatic value, logged here and recorded as the run's `auto.*` params)."""
+    if task != "train":
+        check_single_process(os.environ, task)
+    cfg = validate(resolved)
+    check_tracking_reachable(cfg.tracking)
+    decided = explain(raw, resolved)
+    for key, why in decided.items():
+        log.info("%s = %s", key, why)
+    return cfg, decided
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What bench and tune measure: the validated config, the training split and its loader, the
+    step each batch goes through (None in loader mode), the resource sampler and the CPU budget."""
+
+    cfg: DlpipeConfig
+    train_set: object
+    plan: object  # loader.build.LoaderPlan
+    step: object  # callable(batch) or None
+    sampler: object  # telemetry.sampler.ResourceSampler
+    budget: hardware.CpuBudget
+
+
+def prepare_measurement(raw: dict, resolved: dict) -> Measurement:
+    """The checks and objects bench and tune share."""
+    from dlpipe.tasks.build import build_datasets, build_loaders, build_model
+    from dlpipe.telemetry.sampler import ResourceSampler
+    from dlpipe.training.rng import seed_everything
+
+    cfg, decided = preflight(raw, resolved, resolved.get("task", "bench"))
+    seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
+    train_set, _, dataset = build_datasets(cfg)
+    fit_loader(raw, cfg, train_set, decided)
+    step = None
+    if cfg.bench.mode == "train":  # the measured batches also go through the training step
+        step = measured_train_step(cfg, *build_model(cfg, dataset))
+    plan, _ = build_loaders(cfg, train_set, None)
+    budget = hardware.cpu_budget()
+    warn_about_loaders(cfg, train_set, (plan,), budget.budget)
+    sampler = ResourceSampler(cfg.telemetry.sample_interval_s, budget.budget, gpu_for(cfg.trainer.device))
+    return Measurement(cfg, train_set, plan, step, sampler, budget)
+
+
+def measured_train_step(cfg: DlpipeConfig, model, optimizer):
+    """bench.mode=train: the training step (forward, loss, backward, optimizer step) each measured
+    batch also goes through."""
+    import torch
+
+    from dlpipe.training.batches import to_device, training_loss
+
+    device = torch.device(cfg.trainer.device)
+    model = model.to(device).train()
+
+    def step(batch) -> None:
+        inputs, target = to_device(batch, device, non_blocking=True)
+        training_loss(model(inputs), target).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def check_single_process(environ, task: str) -> None:
+    """`dlpipe bench` and `dlpipe tune` measure one process's loader: N ranks would measure N
+    copies of it competing for the same CPUs and write the same files."""
+    from dlpipe.training.distributed import ranks_from_env
+
+    ranks = ranks_from_env(environ)
+    if ranks.distributed:
+        raise DlpipeError(f"WORLD_SIZE={ranks.world}: dlpipe {task} measures one process; run it without torchrun "
+                          "(auto_workers already divides the CPUs by LOCAL_WORLD_SIZE when you set it)")
+
+
+def check_tracking_reachable(tracking: TrackingConfig) -> None:
+    """Fail in seconds, before anything is built, when the tracking server does not answer."""
+    if not tracking.enabled:
+        return
+    why = connect_error(tracking.uri, tracking.request_timeout_s)
+    if why:
+        raise DlpipeError(f"tracking.uri={redact_text(tracking.uri)}: {why}; start the server, "
+                          "point tracking.uri at a running one, or use tracking=none")
+
+
+def fit_loader(raw: dict, cfg: DlpipeConfig, train_set, decided: dict[str, str], world: int = 1) -> None:
+    """The automatic loader values fitted to the built training split (tasks.build.fit_loader_to_data):
+    cfg.loader updated, each changed value's reason logged and recorded."""
+    from dlpipe.tasks.build import fit_loader_to_data
+
+    cfg.loader, changed = fit_loader_to_data(raw["loader"], cfg.loader, cfg.trainer.epochs, train_set, world)
+    for key, why in changed.items():
+        decided[key] = why
+        log.info("%s = %s", key, why)
+
+
+def warn_about_loaders(cfg: DlpipeConfig, train_set, plans, cpu_budget: int) -> None:
+    """Each loader's build notes, then the pre-flight lint of the training loader."""
+    from dlpipe.loader.lint import lint_job
+
+    for plan in plans:
+        for note in plan.notes if plan else ():
+            log.warning(note)
+    for line in lint_job(cfg, len(train_set), plans[0].batch_bytes, cpu_budget):
+        log.warning("lint: %s", line)
+
+
+def recorded_config(cfg: DlpipeConfig) -> dict:
+    """The config as it is recorded anywhere (params, artifacts, checkpoints): secrets masked."""
+    return redact_tree(dataclasses.asdict(cfg))
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    """{'a': {'b': 1}} -> {'a.b': '1'}: the resolved config as MLflow params."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = "null" if value is None else str(value)
+    return out
+
+
+def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
+    """Tags every dlpipe run carries (overrides redacted: they may hold a tracking password)."""
+    tags = {
+        "dlpipe.recipe": ctx.recipe or "none",
+        "dlpipe.overrides": redact_text(" ".join(ctx.overrides)) or "none",
+        "dlpipe.host": socket.gethostname(),
+        "dlpipe.output_dir": str(ctx.output_dir),
+        "mlflow.source.name": "dlpipe",
+        **extra,
+    }
+    commit = _git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+def _git_commit() -> str | None:
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None  # no git on this machine: the tag is optional
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], resume_run_id: str | None = None):
+    """The job's MLflow run (a NullRun with tracking=none), as a context manager that ends it."""
+    from dlpipe.tracking.run import MlflowRun, NullRun
+
+    if not tracking.enabled:
+        return NullRun()
+    # Name a run by what distinguishes it: the recipe and the overrides, less the recipe itself and
+    # the tracking settings that are the same for every run in the store.
+    varied = [o for o in ctx.overrides if not o.lstrip("+~").startswith(("recipe=", "tracking."))]
+    name = tracking.run_name or redact_text(" ".join([ctx.recipe or "dlpipe", *varied]))
+    try:
+        return MlflowRun(
+            tracking.uri, tracking.experiment, name, tags,
+            parent_run_id=os.environ.get(PARENT_RUN_ENV) if ctx.multirun else None,
+            timeout_s=tracking.request_timeout_s, retries=tracking.request_retries,
+            resume_run_id=resume_run_id, outbox_path=ctx.output_dir / OUTBOX_FILE,
+            retry_every_s=tracking.retry_every_s, offline_wait_s=tracking.offline_wait_s,
+        )
+    except DlpipeError:
+        raise
+    except Exception as e:  # MLflow raises many types for a bad URI or an unreachable server
+        raise DlpipeError(f"tracking.uri={redact_text(tracking.uri)}: cannot start an MLflow run "
+                          f"({redact_text(first_line(e))}); use tracking=none to train without tracking") from e
+
+
+def gpu_for(device: str) -> int | str | None:
+    """The NVML device to sample for a torch device string (None off CUDA)."""
+    from dlpipe.gpu import nvml_index
+
+    if not device.startswith("cuda"):
+        return None
+    return nvml_index(int(device.partition(":")[2] or 0), os.environ)

@@ -1,0 +1,294 @@
+"""One training job's parts, built from the validated config, and the steps `tasks.train` runs on them.
+
+`build_job` does everything a user can get wrong before a tracking run exists. `TrainJob` then
+resumes, fits (its failures translated into one-line errors in one place), records the outcome and
+owns its teardown (`close`).
+"""
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from dlpipe import hardware
+from dlpipe.errors import DataError, DlpipeError, first_line
+from dlpipe.schema import DlpipeConfig
+from dlpipe.stop import StopTraining, Terminated
+from dlpipe.tasks.common import JobContext, fit_loader, flatten, gpu_for, recorded_config, run_tags, warn_about_loaders
+
+if TYPE_CHECKING:  # torch-heavy modules, imported when a job is built
+    from dlpipe.loader.build import LoaderPlan
+    from dlpipe.telemetry.profiling import AllocationSnapshot, StepProfiler
+    from dlpipe.telemetry.sampler import ResourceSampler
+    from dlpipe.training.checkpoint import CheckpointStore
+    from dlpipe.training.distributed import Ranks
+    from dlpipe.training.runner import Trainer
+
+log = logging.getLogger("dlpipe")
+
+
+@dataclass
+class TrainJob:
+    """What one training job built, and the one place that tears it down."""
+
+    ctx: JobContext
+    cfg: DlpipeConfig
+    ranks: "Ranks"
+    train_plan: "LoaderPlan"
+    val_plan: "LoaderPlan | None"
+    trainer: "Trainer"
+    store: "CheckpointStore"
+    sampler: "ResourceSampler"
+    profiler: "StepProfiler"
+    allocations: "AllocationSnapshot"
+    params: dict[str, str]
+    tags: dict[str, str]
+    resolved_yaml: str
+    config_flat: dict[str, str]
+    cpu_budget: int
+    run_id: str | None = None
+    _closed: list | None = field(default=None, repr=False)
+
+    @property
+    def loader(self):
+        return self.train_plan.loader
+
+    def resume(self) -> str | None:
+        """Load the checkpoint `checkpoint.resume` points to, if any; returns its MLflow run id."""
+        from dlpipe.training.resume import check_model_fits, config_changes
+
+        start, path = resume_point(self.store, self.cfg.checkpoint.resume, self.ranks)
+        if start is None:
+            return None
+        check_model_fits(self.trainer.model, start["model"], path)
+        changed = config_changes(start.get("config", {}), self.config_flat)
+        if changed:
+            log.warning("resuming with a changed config: %s", ", ".join(changed))
+        own = start.get("ranks") or []
+        if self.ranks.distributed and len(own) == self.ranks.world:
+            start.update(own[self.ranks.rank])  # this rank's RNG and loader-generator states
+        self.trainer.load_state_dict(start, self.loader.generator)
+        self.tags["dlpipe.resumed_from"] = f"{path} (epoch {start['epoch']})"
+        return start.get("mlflow_run_id")
+
+    def fit(self, metrics) -> list[dict[str, float]]:
+        """Start the telemetry, train every epoch left; `metrics` is the tracking run."""
+        from dlpipe.loader.worker_signals import start_helper_processes
+
+        start_helper_processes(self.cfg.loader.multiprocessing_context if self.loader.num_workers else None)
+        self.sampler.start()
+        if self.sampler.gpu_status.startswith("not available"):
+            log.info("GPU metrics %s", self.sampler.gpu_status)
+        self.allocations.start()
+        self.profiler.start()
+        self.trainer.metrics, self.trainer.on_epoch = metrics, self.after_epoch
+        if self.trainer.peers is not None:
+            self.trainer.peers.barrier()  # start the clocks together: rank 0 took longer, opening the run
+        return self.trainer.fit(self.loader, self.val_plan.loader if self.val_plan else None)
+
+    def judge(self, metrics: dict[str, float]):
+        from dlpipe.telemetry.verdict import diagnose
+
+        return diagnose(metrics, num_workers=self.loader.num_workers, cpu_budget=self.cpu_budget,
+                        pin_memory=self.loader.pin_memory, device_type=self.trainer.device.type)
+
+    def after_epoch(self, row: dict[str, float]) -> None:
+        log.info("epoch %d: %s", int(row["epoch"]), self.judge(row).line())
+        if self.cfg.checkpoint.enabled:
+            state = self.checkpoint_state()
+            if self.ranks.is_main:
+                self.store.save(state, int(row["epoch"]), row)
+
+    def checkpoint_state(self) -> dict:
+        """The trainer's state; with several ranks, each rank's random state too (called on every rank)."""
+        state = self.trainer.state_dict(self.loader.generator)
+        if self.trainer.peers is not None:
+            state["ranks"] = self.trainer.peers.gather({k: state[k] for k in ("rng", "loader_generator")})
+        state.update(mlflow_run_id=self.run_id, config=self.config_flat)
+        return state
+
+    @contextmanager
+    def failures_translated(self):
+        """What can end the loop early, as what the CLI and the tracking run expect: a stop becomes
+        KeyboardInterrupt or Terminated (after its checkpoint), a fault a user can act on one line."""
+        import torch
+
+        from dlpipe.loader.faults import explain_loader_failure
+        from dlpipe.training import distributed
+
+        try:
+            yield
+        except StopTraining as stop:
+            self.record_stop(stop.reason)
+            if stop.reason == "SIGINT":
+                raise KeyboardInterrupt from None
+            raise Terminated(self.trainer.stop.signal or stop.reason) from None
+        except torch.cuda.OutOfMemoryError as e:
+            raise DlpipeError(out_of_memory_advice(self.cfg, e)) from e
+        except RuntimeError as e:
+            if self.ranks.distributed and distributed.lost_peer(e):
+                raise DlpipeError(f"another rank left the job mid-step ({first_line(e)[:200]}); its own error, "
+                                  "printed by that rank, is the cause") from e
+            why = explain_loader_failure(e, self.cfg.loader)
+            if why is None:
+                raise
+            raise DataError(why) from e
+
+    def record_stop(self, reason: str) -> None:
+        """Checkpoint an interrupted epoch at its last optimizer step so the same command resumes it."""
+        stop = self.trainer.stop
+        stop.recording = True
+        saving = self.cfg.checkpoint.enabled and stop.interrupted_epoch
+        state = self.checkpoint_state() if saving else None  # every rank: it gathers their states
+        if self.ranks.is_main:
+            save_stop_checkpoint(self.trainer, reason, self.store if self.cfg.checkpoint.enabled else None, state)
+        if self.trainer.peers is not None:
+            self.trainer.peers.barrier()  # nobody exits (and gets the job torn down) before rank 0 has saved
+
+    def close(self) -> list[Path]:
+        """Stop what the job started: the loaders' persistent workers (they end with training, not
+        at exit), the sampler thread, the profilers. Returns the profile files written. Idempotent."""
+        if self._closed is None:
+            for plan in (self.train_plan, self.val_plan):
+                if plan is not None:
+                    plan.loader.shutdown()
+            self.sampler.stop()
+            self._closed = self.profiler.finish() + self.allocations.finish()
+        return self._closed
+
+    def record_outcome(self, run, history: list[dict[str, float]]):
+        """The run's verdict, worker-memory warning and end tags; returns the verdict."""
+        from dlpipe.telemetry.verdict import rss_slope, run_metrics, worker_leak
+
+        verdict = self.judge(run_metrics(history))
+        tags = {"dlpipe.gpu_metrics": self.sampler.gpu_status, "dlpipe.optimizer_steps": str(self.trainer.step),
+                "dlpipe.verdict": verdict.kind, "dlpipe.verdict_detail": verdict.line()}
+        leak = worker_leak(history, self.loader.persistent_workers)
+        if leak:
+            log.warning(leak)
+            tags["dlpipe.worker_memory"] = leak
+        rss = [r["worker_rss_max_mb"] for r in history if "worker_rss_max_mb" in r]
+        if len(rss) >= 2:
+            run.log_metrics({"worker_rss_slope_mb_per_epoch": rss_slope(rss)}, step=len(history))
+        run.set_tags(tags)
+        return verdict
+
+
+def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks) -> TrainJob:
+    """Data, model, loaders, trainer, telemetry and checkpoint store, and the run's params and tags."""
+    from dlpipe.tasks.build import build_data_and_model, build_loaders
+    from dlpipe.training.checkpoint import CheckpointStore
+    from dlpipe.training.rng import seed_everything
+
+    # Ranks draw different dropout and augmentation; their weights agree (DDP copies rank 0's).
+    seed_everything(cfg.trainer.seed + ranks.rank, cfg.trainer.deterministic)
+    train_set, val_set, model, optimizer = build_data_and_model(cfg)
+    fit_loader(raw, cfg, train_set, decided, ranks.world)
+    train_plan, val_plan = build_loaders(cfg, train_set, val_set, ranks.rank, ranks.world)
+    budget = hardware.cpu_budget()
+    if ranks.is_main:
+        warn_about_loaders(cfg, train_set, (train_plan, val_plan), budget.budget)
+    shown = recorded_config(cfg)  # what is recorded anywhere; `cfg` itself builds the job
+    resolved_yaml = yaml.safe_dump(shown, sort_keys=False)
+    if ranks.is_main:
+        ctx.output_dir.mkdir(parents=True, exist_ok=True)
+        (ctx.output_dir / "resolved_config.yaml").write_text(resolved_yaml)
+    config_flat = flatten(shown)
+    ck = cfg.checkpoint
+    folder = Path(ck.dir) if ck.dir else ctx.output_dir / "checkpoints"
+    store = CheckpointStore(folder, ck.keep_last, ck.monitor, ck.mode)
+    trainer, sampler, profiler, allocations = build_trainer(ctx, cfg, ranks, model, optimizer, budget.budget)
+    params = {**config_flat, **hardware.host_facts(cpu=budget), **{f"auto.{k}": v for k, v in decided.items()},
+              **job_params(cfg, ranks, train_plan, model)}
+    return TrainJob(ctx, cfg, ranks, train_plan, val_plan, trainer, store, sampler, profiler, allocations,
+                    params, run_tags(ctx), resolved_yaml, config_flat, budget.budget)
+
+
+def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int):
+    """The Trainer with its telemetry: (trainer, sampler, profiler, allocation snapshot)."""
+    import torch
+
+    from dlpipe.telemetry.profiling import AllocationSnapshot, StepProfiler
+    from dlpipe.telemetry.sampler import ResourceSampler
+    from dlpipe.training import distributed
+    from dlpipe.training.runner import Trainer
+
+    telemetry = cfg.telemetry
+    # Ranks other than 0 show no progress bar: one per job is what a person reads.
+    settings = cfg.trainer if ranks.is_main else replace(cfg.trainer, progress=False)
+    device_type = settings.device.partition(":")[0]
+    sampler = ResourceSampler(telemetry.sample_interval_s, cpu_budget, gpu_for(settings.device))
+    profile_dir = ctx.output_dir / "profile"
+    # Profiles are rank 0's: the ranks run the same code, and one trace is what a person reads.
+    profiler = StepProfiler(profile_dir, telemetry.profile_steps if ranks.is_main else 0, telemetry.profile_wait,
+                            device_type)
+    allocations = AllocationSnapshot(profile_dir, telemetry.tracemalloc and ranks.is_main)
+    peers = distributed.Collectives(ranks, torch.device(settings.device)) if ranks.distributed else None
+    trainer = Trainer(model, optimizer, settings, sampler=sampler, profiler=profiler if profiler.enabled else None,
+                      peers=peers, cuda_sync_every=telemetry.cuda_sync_every)
+    return trainer, sampler, profiler, allocations
+
+
+def job_params(cfg: DlpipeConfig, ranks, train_plan, model) -> dict[str, str]:
+    """Params measured from what was built (loader memory, model size, the data-parallel layout)."""
+    params = {"loader.batch_bytes_est": str(train_plan.batch_bytes),
+              "loader.inflight_bytes_est": str(train_plan.inflight_bytes),
+              "model.parameters": str(sum(p.numel() for p in model.parameters()))}
+    if ranks.distributed:
+        params.update({"dist.world_size": str(ranks.world), "dist.local_world_size": str(ranks.local_world),
+                       "dist.global_batch": str(cfg.trainer.accumulate * cfg.loader.batch_size * ranks.world)})
+    return params
+
+
+def resume_point(store, policy: str, ranks) -> tuple[dict | None, Path | None]:
+    """(state, path) to resume from; with several ranks, rank 0 chooses and the others load the
+    same file (each rank's own listing of a network filesystem may lag behind)."""
+    from dlpipe.training import distributed
+    from dlpipe.training.checkpoint import load
+    from dlpipe.training.resume import find_start
+
+    if not ranks.distributed:
+        return find_start(store, policy)
+    start, path = find_start(store, policy) if ranks.is_main else (None, None)
+    path = distributed.broadcast(None if path is None else str(path))
+    if ranks.is_main or path is None:
+        return start, None if path is None else Path(path)
+    return load(Path(path)), Path(path)
+
+
+def save_stop_checkpoint(trainer, reason: str, store, state: dict | None) -> None:
+    """Write the interrupted epoch's checkpoint (rank 0), or say why there is none."""
+    from dlpipe.training.checkpoint import save_atomic
+
+    epoch = len(trainer.history) + 1
+    if not trainer.stop.interrupted_epoch:
+        log.warning("stopped by %s in epoch %d between optimizer steps (the loader's workers died of the "
+                    "signal): resuming starts from the last finished epoch", reason, epoch)
+        return
+    if store is None:
+        log.warning("stopped by %s in epoch %d: checkpoint.enabled=false, nothing saved", reason, epoch)
+        return
+    # Named after the epoch it is in: it is the newest, and the finished epoch before it stays as
+    # the fallback. The next full save of this epoch replaces it.
+    path = store.epoch_path(epoch)
+    path.parent.mkdir(parents=True, exist_ok=True)  # a stop in the first epoch comes before any save
+    save_atomic(state, path)  # not store.save: pruning would count it and drop a finished epoch
+    log.warning("stopped by %s in epoch %d after batch %d: saved %s; run the same command to resume",
+                reason, epoch, trainer.stop.at_batch, path)
+
+
+def out_of_memory_advice(cfg: DlpipeConfig, error: BaseException) -> str:
+    """One line for a CUDA OOM: halve the micro-batch and double accumulation, same effective batch."""
+    batch, accumulate = cfg.loader.batch_size, cfg.trainer.accumulate
+    first = str(error).splitlines()[0] if str(error) else "CUDA out of memory"
+    if batch <= 1:
+        return f"{first}: loader.batch_size is already 1; use a smaller model or trainer.amp=bf16"
+    return (
+        f"{first}: with loader.batch_size={batch} trainer.accumulate={accumulate}, try "
+        f"loader.batch_size={batch // 2} trainer.accumulate={accumulate * 2} to keep the effective batch "
+        f"of {(batch // 2) * accumulate * 2} samples per optimizer step"
+        + ("" if batch % 2 == 0 else f" (was {batch * accumulate})")
+    )

@@ -1,0 +1,178 @@
+"""`dlpipe tune ...overrides`: search for the fastest loader settings and write them as a config.
+
+The search itself (candidates, memory guard, the climb over worker counts, prefetch, persistence
+and pinning) is loader.search; this task wires it to the job's data, tracks every trial as a child
+MLflow run and writes the winner as OUTPUT_DIR/loader/NAME.yaml with a header saying what it measured.
+"""
+
+import dataclasses
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from datetime import UTC
+from pathlib import Path
+
+import yaml
+
+from dlpipe import hardware
+from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard
+from dlpipe.schema import DlpipeConfig
+from dlpipe.tasks.common import JobContext, flatten, open_run, prepare_measurement, recorded_config, run_tags
+
+log = logging.getLogger("dlpipe")
+
+
+def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
+    """Search, write OUTPUT_DIR/loader/NAME.yaml, log every trial; returns the best samples/s."""
+    job = prepare_measurement(raw, resolved)
+    cfg, plan, budget, sampler = job.cfg, job.plan, job.budget, job.sampler
+    bench, cuda = cfg.bench, cfg.trainer.device.startswith("cuda")
+    max_workers = bench.max_workers if bench.max_workers is not None else budget.budget + max(2, budget.budget // 2)
+    crosses_epochs = bench.warmup_batches + bench.batches > len(plan.loader)
+    start = Candidate(plan.loader.num_workers, plan.loader.prefetch_factor if plan.loader.num_workers else None,
+                      plan.loader.persistent_workers, bool(plan.loader.pin_memory))
+    tags = run_tags(ctx, **{"dlpipe.task": "tune"})
+    ctx.output_dir.mkdir(parents=True, exist_ok=True)
+    with open_run(ctx, cfg.tracking, tags) as parent:
+        shown = recorded_config(cfg)
+        parent.log_params({**flatten({"loader": shown["loader"], "bench": shown["bench"]}),
+                           **hardware.host_facts(cpu=budget)})
+        evaluate = evaluator(cfg, parent, tags, job.train_set, plan.batch_bytes, sampler, job.step)
+        started = time.perf_counter()
+        sampler.start()
+        try:
+            search = Search(evaluate, bench.min_gain, max_workers,
+                            tune_persistent=crosses_epochs and cfg.trainer.epochs > 1, tune_pin=cuda,
+                            seed_workers=hardware.recommended_workers(budget.budget))
+            best = search.run(start)
+        finally:
+            sampler.stop()
+        result = TuneResult(list(search.trials.values()), search.trials[best], search.trials[start],
+                            time.perf_counter() - started, search.threshold)
+        save_result(ctx, cfg, budget, result, parent)
+    print(result.table(), flush=True)
+    print(f"tuned: {best.label()}: {result.best.samples_per_s:.1f} samples/s, {result.speedup:.2f}x "
+          f"the automatic config, {len(result.trials)} trials in {result.seconds:.0f} s", flush=True)
+    print(f"use it: dlpipe --config-dir {bench.output_dir} loader={bench.name} ...", flush=True)
+    return result.best.samples_per_s
+
+
+def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_bytes: int, sampler, step):
+    """evaluate(candidate) -> Trial for the search: the memory guard, the measurement, a log line
+    and a child MLflow run per measured candidate."""
+    from dlpipe.loader.build import dataloader_settings
+    from dlpipe.loader.measure import describe
+    from dlpipe.tracking.run import MlflowRun
+
+    bench, tracking = cfg.bench, cfg.tracking
+    settings = dataloader_settings(cfg.loader)
+    cuda = cfg.trainer.device.startswith("cuda")
+    worker_rss = [0.0]  # the largest per-worker RSS measured so far, for the memory guard
+
+    def evaluate(c: Candidate) -> Trial:
+        why = memory_guard(c, batch_bytes, hardware.shm_free_bytes(), hardware.memory_available_bytes(), worker_rss[0])
+        if why:
+            log.warning("tune: skip %s: %s", c.label(), why)
+            return Trial(c, skipped=why)
+        trial = measure_candidate(c, train_set, settings, bench.batches, bench.warmup_batches, bench.repeats,
+                                  cfg.trainer.seed, cuda, sampler, step)
+        worker_rss[0] = max(worker_rss[0], trial.metrics.get("worker_rss_mean_mb", 0.0) * 2**20)
+        log.info("tune: %s: %s (runs %s)", c.label(), describe(trial.metrics), " ".join(f"{v:.0f}" for v in trial.runs))
+        if tracking.enabled:
+            child = MlflowRun(tracking.uri, tracking.experiment, c.label(), {**tags, "dlpipe.task": "tune-trial"},
+                              parent_run_id=parent.run_id, timeout_s=tracking.request_timeout_s,
+                              retries=tracking.request_retries)
+            with child:
+                child.log_params({f"loader.{k}": v for k, v in c.settings().items()})
+                child.log_metrics(trial.metrics, step=0)
+        return trial
+
+    return evaluate
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    trials: list[Trial]
+    best: Trial
+    start: Trial
+    seconds: float
+    threshold: float
+
+    @property
+    def speedup(self) -> float:
+        return self.best.samples_per_s / max(self.start.samples_per_s, 1e-9)
+
+    def table(self) -> str:
+        return trial_table(self.trials, self.best.candidate)
+
+
+def save_result(ctx: JobContext, cfg: DlpipeConfig, budget, result: TuneResult, parent) -> None:
+    """The tuned loader config (OUTPUT_DIR/loader/NAME.yaml, a copy in the job's folder), the trial
+    table, and the parent run's metrics and tags."""
+    bench = cfg.bench
+    head = header(cfg, budget, result)
+    loader = {**dataclasses.asdict(cfg.loader), "tuned_on": f"cpu_budget={budget.budget} host={socket.gethostname()}"}
+    write_config(Path(bench.output_dir) / "loader" / f"{bench.name}.yaml", loader, result.best.candidate, head)
+    copy = write_config(ctx.output_dir / f"{bench.name}.yaml", loader, result.best.candidate, head)
+    table = result.table()
+    (ctx.output_dir / "tune_trials.md").write_text(table + "\n")
+    parent.log_text(table + "\n", "tune/trials.md")
+    parent.log_artifact(copy, "tune")
+    parent.log_metrics({"best_samples_per_s": result.best.samples_per_s,
+                        "start_samples_per_s": result.start.samples_per_s, "speedup": result.speedup,
+                        "tune_seconds": result.seconds, "trials": float(len(result.trials))}, step=0)
+    parent.set_tags({"dlpipe.tuned": result.best.candidate.label(),
+                     "dlpipe.tuned_threshold": f"{result.threshold:.3f}"})
+
+
+def header(cfg: DlpipeConfig, budget, result: TuneResult) -> str:
+    """The comment header of the written file: what it was tuned on and what it measured."""
+    from datetime import datetime
+
+    from dlpipe.gpu import gpu_summary
+
+    devices, _ = gpu_summary()
+    gpu = ", ".join(d.name for d in devices) or "none"
+    limits = [f"affinity {budget.affinity}"]
+    if budget.cgroup_cpus is not None:
+        limits.append(f"cgroup {budget.cgroup_cpus:g}")
+    if budget.slurm_cpus is not None:
+        limits.append(f"SLURM_CPUS_PER_TASK {budget.slurm_cpus}")
+    if budget.local_world_size > 1:
+        limits.append(f"{budget.local_world_size} ranks per node")
+    shm = hardware.shm_bytes()
+    shm_text = f"{shm / 2**20:.0f} MB" if shm is not None else "none"
+    dataset = cfg.dataset.get("_target_", "?").rsplit(".", 1)[-1]
+    best, start = result.best, result.start
+    ratio = best.samples_per_s / start.samples_per_s if start.samples_per_s else float("nan")
+    measured = sum(1 for t in result.trials if not t.skipped)
+    return "\n".join([
+        f"# dlpipe --config-dir {cfg.bench.output_dir} loader={cfg.bench.name}",
+        f"# Written by `dlpipe tune` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC for {dataset}, "
+        f"batch_size {cfg.loader.batch_size}, {cfg.bench.mode} mode.",
+        f"# Host: CPU budget {budget.budget} ({', '.join(limits)}), GPU {gpu}, /dev/shm {shm_text}.",
+        f"# {measured} candidates measured in {result.seconds:.0f} s: {best.samples_per_s:.1f} samples/s against "
+        f"{start.samples_per_s:.1f} for the automatic config ({ratio:.2f}x). Tune again on another machine.",
+    ]) + "\n"
+
+
+def write_config(path: Path, loader: dict, best: Candidate, head: str) -> Path:
+    values = {**loader, **best.settings()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(head + yaml.safe_dump(values, sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+def trial_table(trials: list[Trial], best: Candidate) -> str:
+    lines = ["| candidate | samples/s (median) | runs | first batch s | cpu % | worker MB | note |",
+             "|---|---|---|---|---|---|---|"]
+    for t in trials:
+        m = t.metrics
+        note = "best" if t.candidate == best else (f"skipped: {t.skipped}" if t.skipped else "")
+        lines.append(f"| {t.candidate.label()} | {t.samples_per_s:.1f} | {' '.join(f'{v:.0f}' for v in t.runs)} | "
+                     f"{m.get('first_batch_s', 0):.2f} | {m.get('cpu_util', 0):.0f} | "
+                     f"{m.get('worker_rss_mean_mb', 0):.0f} | {note} |")
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""Gradient accumulation: the micro-batches of one optimizer step (a window), and the scaling that
+makes their summed gradients the mean over the window's samples, however many it got."""
+
+import torch
+
+
+class Window:
+    """The micro-batches of one optimizer step. The loss of each is scaled by its share of the
+    nominal window, so the gradients sum to a mean over samples (see `mean_over_samples`)."""
+
+    def __init__(self, accumulate: int, batch_size: int | None):
+        self.accumulate = accumulate
+        self.batch_size = batch_size  # None with a custom batch_sampler
+        self.micro = self.samples = self.nominal = 0
+
+    def add(self, n: int) -> float:
+        """Count in a micro-batch of `n` samples; return the factor its mean loss is scaled by."""
+        if self.micro == 0:
+            # samples a full window holds; from the first micro-batch when a sampler makes batches
+            self.nominal = self.accumulate * (self.batch_size or n)
+        self.micro += 1
+        self.samples += n
+        return n / self.nominal
+
+    @property
+    def full(self) -> bool:
+        return self.micro == self.accumulate
+
+    def mean_over_samples(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the accumulated gradients the mean over the samples this window got."""
+        if self.samples != self.nominal:
+            # Partial window (end of epoch, short last batch): the per-micro-batch shares summed to
+            # samples / nominal; rescale so the update is the mean over the samples seen.
+            # (Scaling the still loss-scaled fp16 gradients is fine: the scaler divides later.)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(self.nominal / self.samples)
+
+    def clear(self) -> None:
+        """The optimizer stepped: the next micro-batch starts a new window."""
+        self.micro = self.samples = 0
