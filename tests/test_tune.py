@@ -75,3 +75,19 @@ def test_memory_guard_skips_what_does_not_fit_and_never_picks_it():
 def test_memory_guard(workers, prefetch, shm, ram, rss, expected):
     why = memory_guard(Candidate(workers, prefetch, False, False), 8 * 2**20, shm, ram, rss)
     assert (why is None) if expected is None else (expected in why)
+
+
+def test_automatic_persistence_follows_the_worker_count_the_climb_reaches():
+    """With the job's persistence rule passed in, each candidate carries the value that rule gives
+    for its worker count (here: 32 batches an epoch, so at most 3 workers make 10 each), so the
+    written winner never holds a persistence the lint would then reject."""
+    from dlpipe.loader import policy
+
+    def persist(workers):
+        return policy.persist_workers(workers, 3, 32)[0]
+
+    best, tried = search_over(cpu_heavy, persist=persist)
+    assert Candidate(3, 2, True, False) in tried and Candidate(4, 2, False, False) in tried
+    assert best == Candidate(4, 2, False, False)
+    best, _ = search_over(cpu_heavy)  # without the rule the start's value is kept
+    assert best == Candidate(4, 2, True, False)

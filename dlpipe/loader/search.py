@@ -18,6 +18,7 @@ Before each trial a memory guard estimates workers x prefetch_factor x batch byt
 """
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dlpipe.loader import policy
@@ -81,13 +82,21 @@ class Search:
     """The search of the module docstring over an `evaluate(candidate) -> Trial` function."""
 
     def __init__(self, evaluate, min_gain: float, max_workers: int, tune_persistent: bool, tune_pin: bool,
-                 seed_workers: int = 2):
-        """`seed_workers`: where to start climbing when the start config has no workers."""
+                 seed_workers: int = 2, persist: Callable[[int], bool] | None = None):
+        """`seed_workers`: where to start climbing when the start config has no workers. `persist`:
+        persistent_workers for a worker count (policy.persist_workers) when it is automatic, so a
+        candidate carries the value the job would get with that many workers; None keeps the start's."""
         self.evaluate, self.min_gain, self.max_workers = evaluate, min_gain, max_workers
-        self.seed_workers = seed_workers
+        self.seed_workers, self.persist = seed_workers, persist
         self.tune_persistent, self.tune_pin = tune_persistent, tune_pin
         self.trials: dict[Candidate, Trial] = {}
         self.threshold = min_gain
+
+    def _with_workers(self, c: Candidate, n: int) -> Candidate:
+        moved = c.with_workers(n)
+        if self.persist is None or n == 0:
+            return moved
+        return replace(moved, persistent_workers=self.persist(n))
 
     def _score(self, c: Candidate) -> float:
         if c not in self.trials:
@@ -106,12 +115,12 @@ class Search:
             self.threshold = max(self.min_gain, 2 * noise)
         best = start
         if start.num_workers != 0:
-            if self._better(start.with_workers(0), best):
-                best = start.with_workers(0)
+            if self._better(self._with_workers(start, 0), best):
+                best = self._with_workers(start, 0)
             else:
                 best = self._climb_workers(best)
         else:  # a start without workers (loader=pytorch, in_memory): see whether workers help at all
-            seed = start.with_workers(max(1, min(self.seed_workers, self.max_workers)))
+            seed = self._with_workers(start, max(1, min(self.seed_workers, self.max_workers)))
             if self.max_workers and self._better(seed, best):
                 best = self._climb_workers(seed)
         if best.num_workers:
@@ -134,14 +143,14 @@ class Search:
         i = ladder.index(best.num_workers)
         improved = False
         for n in ladder[i + 1:]:
-            if not self._better(best.with_workers(n), best):
+            if not self._better(self._with_workers(best, n), best):
                 break
-            best, improved = best.with_workers(n), True
+            best, improved = self._with_workers(best, n), True
         if not improved:
             for n in reversed(ladder[1:i]):  # down, never to 0 (tried on its own)
-                if not self._better(best.with_workers(n), best):
+                if not self._better(self._with_workers(best, n), best):
                     break
-                best = best.with_workers(n)
+                best = self._with_workers(best, n)
         return best
 
 

@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 import warnings
+from contextlib import contextmanager
 from functools import partial
 
 from torch.utils.data import DataLoader
@@ -93,6 +94,17 @@ def _on_child_exit(previous, signum, frame) -> None:
         previous(signum, frame)
 
 
+@contextmanager
+def _worker_count_warning_silenced():
+    """PyTorch warns when a loader is built, and again on every iterator, when num_workers exceeds
+    os.sched_getaffinity; the lint says it once, against the real budget (cgroup quota and Slurm
+    included), with the fix. Scoped to those calls: no process-wide filter."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create .* worker processes",
+                                category=UserWarning)
+        yield
+
+
 class SignalSafeLoader(DataLoader):
     """A DataLoader whose workers leave stopping to the main process (see the module docstring)."""
 
@@ -104,12 +116,12 @@ class SignalSafeLoader(DataLoader):
             iterator._shutdown_workers()
         self._iterator = None
 
+    def __init__(self, *args, **kwargs):
+        with _worker_count_warning_silenced():
+            super().__init__(*args, **kwargs)
+
     def _get_iterator(self):
-        with warnings.catch_warnings():
-            # PyTorch warns on every iterator when num_workers exceeds os.sched_getaffinity; the
-            # lint says it once, against the real budget (cgroup quota and Slurm included), with the fix.
-            warnings.filterwarnings("ignore", message="This DataLoader will create .* worker processes",
-                                    category=UserWarning)
+        with _worker_count_warning_silenced():
             iterator = super()._get_iterator()
         if self.num_workers and threading.current_thread() is threading.main_thread():
             # PyTorch's SIGCHLD handler raises "worker exited unexpectedly" wherever the main

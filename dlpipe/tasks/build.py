@@ -94,25 +94,25 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
     """The automatic loader values, decided again on the built training split: the workers go when
     items are cheap to fetch in this process (data in memory), and persistence is decided on the
     real batches per epoch. Values the user set stand (the lint and `dlpipe tune` can question
-    them). Returns the loader settings and the reason for each value that changed."""
+    them). Returns the loader settings and the reason for each value decided here."""
     from dlpipe.config.decisions import workers_for_data
     from dlpipe.loader.probe import item_fetch_seconds
 
-    changed = {}
+    reasons = {}
     if policy.is_auto(raw_loader["num_workers"], "auto_workers") and loader.num_workers and len(train_set):
         decision = workers_for_data(loader.num_workers, item_fetch_seconds(train_set, loader.batch_size))
         if decision.value != loader.num_workers:
             loader = replace(loader, num_workers=decision.value)
-            changed["loader.num_workers"] = f"{decision.value} (auto: {decision.reason})"
+            reasons["loader.num_workers"] = f"{decision.value} (auto: {decision.reason})"
             if policy.is_auto(raw_loader["prefetch_factor"], "auto_prefetch"):
                 loader = replace(loader, prefetch_factor=None)  # follows the worker count
     if policy.is_auto(raw_loader["persistent_workers"], "auto_persistent"):
+        # Always: the resolver may not have known the dataset's size, and then its reason lacks the batches.
         batches = policy.batches_per_epoch(len(train_set), loader.batch_size, world, loader.drop_last)
         keep, why = policy.persist_workers(loader.num_workers, epochs, batches)
-        if keep != loader.persistent_workers:
-            loader = replace(loader, persistent_workers=keep)
-            changed["loader.persistent_workers"] = f"{keep} (auto: {why})"
-    return loader, changed
+        loader = replace(loader, persistent_workers=keep)
+        reasons["loader.persistent_workers"] = f"{keep} (auto: {why})"
+    return loader, reasons
 
 
 def build_loaders(cfg: DlpipeConfig, train_set, val_set, rank: int = 0, world: int = 1):

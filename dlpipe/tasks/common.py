@@ -123,13 +123,14 @@ def check_tracking_reachable(tracking: TrackingConfig) -> None:
 
 def fit_loader(raw: dict, cfg: DlpipeConfig, train_set, decided: dict[str, str], world: int = 1) -> None:
     """The automatic loader values fitted to the built training split (tasks.build.fit_loader_to_data):
-    cfg.loader updated, each changed value's reason logged and recorded."""
+    cfg.loader updated, each new reason logged and recorded."""
     from dlpipe.tasks.build import fit_loader_to_data
 
-    cfg.loader, changed = fit_loader_to_data(raw["loader"], cfg.loader, cfg.trainer.epochs, train_set, world)
-    for key, why in changed.items():
-        decided[key] = why
-        log.info("%s = %s", key, why)
+    cfg.loader, reasons = fit_loader_to_data(raw["loader"], cfg.loader, cfg.trainer.epochs, train_set, world)
+    for key, why in reasons.items():
+        if decided.get(key) != why:  # said once: the resolver's reason stands when it already knew
+            decided[key] = why
+            log.info("%s = %s", key, why)
 
 
 def warn_about_loaders(cfg: DlpipeConfig, train_set, plans, cpu_budget: int) -> None:

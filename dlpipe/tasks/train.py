@@ -30,13 +30,14 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
     distributed.check_ranks(ranks, ctx.multirun, trainer["device"], os.environ, trainer["devices"])
     if not ranks.is_main:
         log.setLevel(logging.WARNING)  # rank 0 says it all once
+    if ranks.distributed and trainer["device"] == "cuda":
+        import torch
+
+        # Each rank its own GPU, before the config is checked and its values explained.
+        trainer["device"] = distributed.device_for("cuda", ranks, torch.cuda.device_count())
     cfg, decided = preflight(raw, resolved, "train")
     if not ranks.distributed:
         return train(ctx, raw, cfg, decided, distributed.SINGLE)
-    if cfg.trainer.device == "cuda":
-        import torch
-
-        cfg.trainer = replace(cfg.trainer, device=distributed.device_for("cuda", ranks, torch.cuda.device_count()))
     distributed.start(ranks, cfg.trainer.device)
     try:
         # Every rank resumes from and reports to rank 0's output directory (the others' own,
@@ -54,6 +55,7 @@ def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str]
 
     job = build_job(ctx, raw, cfg, decided, ranks)
     resume_run_id = job.resume()
+    job.start_worker_helpers()
     tracking = cfg.tracking if ranks.is_main else replace(cfg.tracking, enabled=False)
     with stop_gracefully(job.trainer.stop, submitit_signal()), open_run(ctx, tracking, job.tags, resume_run_id) as run:
         job.run_id = run.run_id

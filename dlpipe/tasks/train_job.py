@@ -74,11 +74,16 @@ class TrainJob:
         self.tags["dlpipe.resumed_from"] = f"{path} (epoch {start['epoch']})"
         return start.get("mlflow_run_id")
 
-    def fit(self, metrics) -> list[dict[str, float]]:
-        """Start the telemetry, train every epoch left; `metrics` is the tracking run."""
+    def start_worker_helpers(self) -> None:
+        """multiprocessing's helper processes for spawn/forkserver workers, started with the stop
+        signals ignored: call it before the stop handlers are installed (a signal in those few
+        milliseconds would otherwise be dropped)."""
         from dlpipe.loader.worker_signals import start_helper_processes
 
         start_helper_processes(self.cfg.loader.multiprocessing_context if self.loader.num_workers else None)
+
+    def fit(self, metrics) -> list[dict[str, float]]:
+        """Start the telemetry, train every epoch left; `metrics` is the tracking run."""
         self.sampler.start()
         if self.sampler.gpu_status.startswith("not available"):
             log.info("GPU metrics %s", self.sampler.gpu_status)

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from dlpipe import hardware
+from dlpipe.loader import policy
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard
 from dlpipe.schema import DlpipeConfig
 from dlpipe.tasks.common import JobContext, flatten, open_run, prepare_measurement, recorded_config, run_tags
@@ -44,7 +45,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
         try:
             search = Search(evaluate, bench.min_gain, max_workers,
                             tune_persistent=crosses_epochs and cfg.trainer.epochs > 1, tune_pin=cuda,
-                            seed_workers=hardware.recommended_workers(budget.budget))
+                            seed_workers=hardware.recommended_workers(budget.budget),
+                            persist=automatic_persistence(raw, cfg, len(job.train_set)))
             best = search.run(start)
         finally:
             sampler.stop()
@@ -56,6 +58,15 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
           f"the automatic config, {len(result.trials)} trials in {result.seconds:.0f} s", flush=True)
     print(f"use it: dlpipe --config-dir {bench.output_dir} loader={bench.name} ...", flush=True)
     return result.best.samples_per_s
+
+
+def automatic_persistence(raw: dict, cfg: DlpipeConfig, train_size: int):
+    """persistent_workers for a worker count by the job's own rule (loader.policy) when the config
+    leaves it automatic, so the written file never holds a value the lint would then question."""
+    if not policy.is_auto(raw["loader"]["persistent_workers"], "auto_persistent"):
+        return None
+    batches = policy.batches_per_epoch(train_size, cfg.loader.batch_size, 1, cfg.loader.drop_last)
+    return lambda workers: policy.persist_workers(workers, cfg.trainer.epochs, batches)[0]
 
 
 def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_bytes: int, sampler, step):

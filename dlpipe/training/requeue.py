@@ -3,7 +3,7 @@
 submitit asks a job to stop with one signal (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says
 otherwise), sent before a time limit or on preemption. Its own handler would checkpoint the
 launcher's call and requeue it at once, in the middle of a training step. dlpipe's stop handler
-(job.stop_gracefully) takes that signal instead: training stops at the next optimizer step, the
+(dlpipe.stop.stop_gracefully) takes that signal instead: training stops at the next optimizer step, the
 checkpoint and the MLflow run are written, and only then is submitit's handler, which
 stop_gracefully has put back, called to requeue the same call. The requeued job gets the same
 overrides and the same output directory (Hydra's launcher keeps the sweep's resolved timestamps),
