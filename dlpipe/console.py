@@ -53,6 +53,7 @@ SUMMARY_COLUMNS = [
     ("train loss", "train_loss", "{:.4f}"),
     ("val loss", "val_loss", "{:.4f}"),
     ("val acc", "val_accuracy", "{:.3f}"),
+    ("val r2", "val_r2", "{:.3f}"),
     ("samples/s", "samples_per_s", "{:.1f}"),
     ("data wait", "data_wait_frac", "{:.1%}"),
     ("epoch s", "epoch_time_s", "{:.2f}"),

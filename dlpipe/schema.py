@@ -4,7 +4,7 @@ A leaf module (plain dataclasses; no torch, no Hydra): the tasks pass these obje
 the runner, the loader builder and the trackers, so a new key reaches its user by being declared
 here and read there, never by being copied into another settings class.
 
-`dataset`, `model` and `optim` are `_target_` nodes (any importable class, checked against its
+`dataset`, `model`, `optim`, `loss` and `metrics` are `_target_` nodes (any importable class, checked against its
 signature before anything is built), so they are open dicts here. The other groups are closed
 dataclasses: a typo or a wrong type fails at composition, naming the key. Ranges and cross-field
 rules live in `config/validation.py` because OmegaConf does not run `__post_init__` on merges.
@@ -38,6 +38,9 @@ class LoaderConfig:
     """Seconds to wait for a batch from a worker before failing; 0 waits forever."""
     multiprocessing_context: str | None = None
     """Worker start method: fork, spawn or forkserver; None uses the platform default."""
+    collate_fn: Any = None
+    """A `_target_` node that builds the function turning a list of items into a batch (e.g.
+    dlpipe.loader.collate.PadSequences for variable-length sequences); None: PyTorch's default_collate."""
     val_batch_size: int | None = None
     """Validation batch size; None uses batch_size (no gradients, so larger is usually fine)."""
     tuned_on: str | None = None
@@ -82,6 +85,19 @@ class TrainerConfig:
     between epochs: a write inside the loop would cost the step)."""
     progress: bool = True
     """Show a progress bar per epoch (a line per epoch when stderr is not a terminal)."""
+
+
+@dataclass
+class BatchConfig:
+    """How a collated batch feeds the model and the loss. Tuple and list samples are (input, target);
+    dict samples (Hugging Face style) name their fields here."""
+
+    input: str | None = None
+    """Dict samples: the field the model is called with (`pixel_values`). None: the whole dict goes
+    to the model as keyword arguments, `model(**batch)`, as Hugging Face models take it."""
+    target: str | None = None
+    """Dict samples: the field the loss and the metrics compare the output with (`labels`). None
+    with `loss=model`, where the model computes its own loss from the fields it was given."""
 
 
 @dataclass
@@ -138,8 +154,9 @@ class CheckpointConfig:
     """Epoch checkpoints to keep (the best one is kept in addition)."""
     monitor: str | None = "val_loss"
     """Epoch metric that decides best.pt; None keeps no best checkpoint."""
-    mode: str = "min"
-    """min or max: whether a lower or a higher `monitor` is better."""
+    mode: str = "auto"
+    """min or max: whether a lower or a higher `monitor` is better; auto: min for a loss, and the
+    metric's own direction for a validation metric (torchmetrics' higher_is_better)."""
 
 
 @dataclass
@@ -173,6 +190,13 @@ class DlpipeConfig:
     dataset: Any = MISSING
     model: Any = MISSING
     optim: Any = MISSING
+    loss: Any = MISSING
+    """A `_target_` node: an nn.Module or a callable (output, target) -> scalar; conf/loss/ has the
+    built-in options, `loss=model` uses the loss the model returns."""
+    metrics: Any = None
+    """Validation metrics, name -> `_target_` node (torchmetrics), logged as val_<name>; None picks
+    them by the loss (accuracy for classification, mse/mae/r2 for regression), {} logs none."""
+    batch: BatchConfig = field(default_factory=BatchConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

@@ -11,7 +11,12 @@ import pytest
 import torch
 from conftest import NO_PHONE_HOME, TESTS_DIR, runs_of
 
+from dlpipe.config.paths import recipe_dirs
+from dlpipe.config.store import find_recipes
+
 FAST = ["+recipe=smoke", "trainer.progress=false"]
+# The shipped recipes as the CLI lists them (sorted, comma-separated), so adding one touches no test here.
+SHIPPED_RECIPES = ", ".join(sorted(find_recipes(recipe_dirs()[:1])))
 # The user's own config folder (--config-dir) adds dataset options; the MLP takes num_classes from the dataset.
 # (argparse wants the option before the overrides.)
 FAULTY = ["--config-dir", str(TESTS_DIR / "conf"), "trainer.progress=false", "model=mlp", "model.in_features=4"]
@@ -107,10 +112,10 @@ BAD_INPUT = [
     (["+dataset.colour=red"], "dataset.colour: not a parameter of dlpipe.data.vision.SyntheticJPEGDataset"),
     (["loader.batch_size=abc"], "loader.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     (["loader.batch_size=["], "loader.batch_size=[: not a valid override"),
-    (["loader=fast"], "loader=fast: no such loader option; available: auto, in_memory, pytorch"),
+    (["loader=fast"], "loader=fast: no such loader option; available: auto, in_memory, padded, pytorch"),
     (["trainer.devices=0"], "trainer.devices=0: must be >= 1 (processes on this node, one per GPU)"),
     (["model=nope"], "model=nope: no such model option; available: cnn, mlp, transformer"),
-    (["+recipe=nope"], "recipe=nope: no such recipe option; available: nlp, smoke, tabular, vision"),
+    (["+recipe=nope"], f"recipe=nope: no such recipe option; available: {SHIPPED_RECIPES}"),
     (["model.width=${oc.env:DLPIPE_TEST_UNSET}"], "model.width: KeyError raised while resolving interpolation"),
     (["loader.num_workers=-1"], "loader.num_workers=-1: must be >= 0"),
     (["loader.batch_size=0"], "loader.batch_size=0: must be >= 1"),
@@ -363,7 +368,7 @@ def test_stopped_run_resumes_in_the_same_mlflow_run(tmp_path, mlflow_store, mlfl
     assert state["step"] == 2 * 10  # 600 samples / batch 64 -> 10 batches an epoch, none lost or repeated
 
 
-@pytest.mark.parametrize("recipe", ["vision", "nlp", "tabular", "smoke"])
+@pytest.mark.parametrize("recipe", ["vision", "nlp", "nlp_ragged", "tabular", "smoke"])
 def test_every_recipe_runs_end_to_end(dlpipe, recipe):
     """Each shipped recipe composes, builds and trains (cut to a few batches)."""
     r = dlpipe(f"+recipe={recipe}", "tracking=none", "trainer.epochs=1", "trainer.limit_train_batches=3",
@@ -412,8 +417,8 @@ def test_help_lists_groups_and_recipes(dlpipe):
     """--help shows every config group, recipes included."""
     r = dlpipe("--help")
     assert r.returncode == 0
-    assert "recipe: nlp, smoke, tabular, vision" in r.stdout
-    assert "loader: auto, in_memory, pytorch" in r.stdout
+    assert f"recipe: {SHIPPED_RECIPES}" in r.stdout
+    assert "loader: auto, in_memory, padded, pytorch" in r.stdout
 
 
 def test_subcommands_keep_overrides_together_with_options_after_them(dlpipe):

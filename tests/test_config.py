@@ -19,9 +19,10 @@ from dlpipe.tasks.build import build_data_and_model, build_loaders
 SMALL = {
     "vision": ["dataset.size=32", "dataset.image_size=32", "dataset.crop_size=28"],
     "tokens": ["dataset.size=32"],
+    "tokens_ragged": ["dataset.size=32"],
     "tabular": ["dataset.size=32"],
 }
-PAIRS = [("vision", "cnn"), ("tokens", "transformer"), ("tabular", "mlp")]
+PAIRS = [("vision", "cnn"), ("tokens", "transformer"), ("tokens_ragged", "transformer"), ("tabular", "mlp")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +45,7 @@ def test_every_conf_file_belongs_to_a_tested_option():
     """Each YAML in conf/ is either the primary config or a group option that the tests below compose."""
     for path in conf_dir().rglob("*.yaml"):
         assert path.name == "config.yaml" or path.parent.name in {
-            "dataset", "model", "loader", "optim", "trainer", "tracking", "telemetry", "checkpoint", "bench",
+            "dataset", "model", "loader", "optim", "loss", "trainer", "tracking", "telemetry", "checkpoint", "bench",
             "launcher",
         }, path
 
@@ -84,7 +85,7 @@ def test_loader_and_tracking_options_build(loader, tracking):
     job = validate(resolved)
     train, val, _, _ = build_data_and_model(job)
     train_plan, val_plan = build_loaders(job, train, val)
-    images, labels = next(iter(train_plan.loader))
+    images, labels, *_ = next(iter(train_plan.loader))  # loader=padded appends the lengths
     assert images.shape[0] == labels.shape[0] == 8
     assert train_plan.notes == [] and val_plan.notes == []  # shipped presets are consistent as they are
 

@@ -236,6 +236,28 @@ def test_token_sequences_follow_a_sparse_chain():
 def test_token_sequences_reject_bad_parameters():
     raises_data_error("dataset.vocab_size=1", TokenSequenceDataset, vocab_size=1)
     raises_data_error("dataset.seq_len=0", TokenSequenceDataset, seq_len=0)
+    raises_data_error("dataset.min_seq_len=0", TokenSequenceDataset, seq_len=8, min_seq_len=0)
+    raises_data_error("dataset.min_seq_len=9: must be from 1 to dataset.seq_len=8", TokenSequenceDataset,
+                      seq_len=8, min_seq_len=9)
+
+
+def test_ragged_token_sequences_are_prefixes_of_the_fixed_ones():
+    """min_seq_len: lengths spread over [min_seq_len, seq_len], seeded; each item the prefix of its
+    fixed-length twin, still shifted by one; as_dict gives the same tensors under Hugging Face names."""
+    fixed = TokenSequenceDataset(size=200, seq_len=16, vocab_size=20, seed=3)
+    ragged = TokenSequenceDataset(size=200, seq_len=16, vocab_size=20, seed=3, min_seq_len=4)
+    lengths = [len(ragged[i][0]) for i in range(len(ragged))]
+    assert min(lengths) == 4 and max(lengths) == 16 and len(set(lengths)) == 13  # every length occurs
+    for i in (0, 7, 199):
+        x, y = ragged[i]
+        assert len(x) == len(y) == lengths[i] and torch.equal(x[1:], y[:-1])
+        assert torch.equal(x, fixed[i][0][:lengths[i]]) and torch.equal(y, fixed[i][1][:lengths[i]])
+    again = TokenSequenceDataset(size=200, seq_len=16, vocab_size=20, seed=3, min_seq_len=4)
+    assert torch.equal(again.lengths, ragged.lengths)
+    item = TokenSequenceDataset(size=200, seq_len=16, vocab_size=20, seed=3, min_seq_len=4, as_dict=True)[7]
+    assert set(item) == {"input_ids", "labels"}
+    assert torch.equal(item["input_ids"], ragged[7][0]) and torch.equal(item["labels"], ragged[7][1])
+    assert len(pickle.loads(pickle.dumps(ragged))[7][0]) == lengths[7]  # workers get the same lengths
 
 
 def test_tabular_shapes_and_labels():
@@ -280,3 +302,17 @@ def test_split_errors_name_the_key():
     ds = TabularDataset(size=1, num_features=4)
     raises_data_error("trainer.val_fraction=0.5", train_val_split, ds, 0.5, 0)
     raises_data_error("trainer.val_fraction=1.0", train_val_split, ds, 1.0, 0)
+
+
+def test_tabular_regression_is_seeded_float_targets_a_linear_model_mostly_explains():
+    from dlpipe.data.tabular import TabularRegression
+
+    a, b = TabularRegression(size=512, num_features=8, seed=3), TabularRegression(size=512, num_features=8, seed=3)
+    x, y = a[5]
+    assert x.shape == (8,) and y.dtype == torch.float32 and y.dim() == 0
+    assert torch.equal(a.targets, b.targets) and not torch.equal(a.targets, TabularRegression(512, 8, seed=4).targets)
+    solution = torch.linalg.lstsq(a.features, a.targets.unsqueeze(1)).solution
+    residual = a.targets - (a.features @ solution).squeeze(1)
+    assert 0.7 < 1 - residual.var() / a.targets.var() < 0.99  # linear explains most, the sine term the rest
+    with pytest.raises(DataError, match="dataset.noise=-1: must be >= 0"):
+        TabularRegression(noise=-1)

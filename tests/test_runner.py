@@ -15,12 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
 
 from dlpipe.models.mlp import MLP
 from dlpipe.schema import TrainerConfig
 from dlpipe.stop import StopTraining
+from dlpipe.training.losses import CrossEntropy
+from dlpipe.training.objective import Objective
 from dlpipe.training.rng import seed_everything
-from dlpipe.training.runner import Trainer, loss_and_correct
+from dlpipe.training.runner import Trainer
 
 IN, CLASSES = 6, 3
 
@@ -42,7 +45,9 @@ def make_trainer(model, lr: float = 0.1, optimizer=None, **settings) -> Trainer:
     metrics = settings.pop("metrics", None)
     empty_cache = settings.pop("empty_cache", None)
     settings = TrainerConfig(**{"epochs": 1, "progress": False, **settings})
-    return Trainer(model, optimizer, settings, metrics=metrics, empty_cache=empty_cache)
+    accuracy = MulticlassAccuracy(num_classes=CLASSES, average="micro")  # what the job builds for cross-entropy
+    return Trainer(model, optimizer, settings, metrics=metrics, empty_cache=empty_cache,
+                   val_metrics={"accuracy": accuracy})
 
 
 def params(model: nn.Module) -> list[torch.Tensor]:
@@ -349,17 +354,20 @@ def test_metric_sink_gets_epoch_metrics_and_train_loss_step_every_log_every_step
 # --- losses, seeding, precision, interrupts -------------------------------------------------------
 
 
-def test_token_level_loss_matches_cross_entropy_over_all_tokens():
-    """loss_and_correct on [B, T, V] logits is the mean cross-entropy over all B*T tokens, correct counts tokens."""
+def test_token_level_loss_and_accuracy_count_every_token():
+    """[B, T, V] logits: the loss is the mean cross-entropy over all B*T tokens, accuracy counts tokens."""
+    from torchmetrics.classification import MulticlassAccuracy
+
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 5, 7, generator=g)
     target = torch.randint(0, 7, (4, 5), generator=g)
-    loss, correct = loss_and_correct(logits, target)
+    objective = Objective(CrossEntropy())
+    loss = objective.loss(logits, target)
     assert loss.item() == pytest.approx(F.cross_entropy(logits.transpose(1, 2), target).item(), rel=1e-6)
-    assert torch.allclose(loss, F.cross_entropy(logits.reshape(-1, 7), target.reshape(-1)))
-    assert correct.item() == sum(
-        int(logits[b, t].argmax() == target[b, t]) for b in range(4) for t in range(5)
-    )
+    accuracy = MulticlassAccuracy(num_classes=7, average="micro")
+    accuracy.update(*objective.metric_inputs(logits, target))
+    correct = sum(int(logits[b, t].argmax() == target[b, t]) for b in range(4) for t in range(5))
+    assert accuracy.compute().item() == pytest.approx(correct / 20)
 
 
 def _seeded_run(seed: int) -> list[torch.Tensor]:

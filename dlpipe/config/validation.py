@@ -7,6 +7,7 @@ import re
 
 from dlpipe.errors import ConfigError
 from dlpipe.schema import (
+    BatchConfig,
     BenchConfig,
     CheckpointConfig,
     DlpipeConfig,
@@ -105,8 +106,8 @@ def _check_checkpoint(c: CheckpointConfig) -> list[str]:
         p.append(f"checkpoint.resume={c.resume}: allowed: auto, must, never")
     if c.keep_last < 1:
         p.append(f"checkpoint.keep_last={c.keep_last}: must be >= 1")
-    if c.mode not in ("min", "max"):
-        p.append(f"checkpoint.mode={c.mode}: allowed: min, max")
+    if c.mode not in ("auto", "min", "max"):
+        p.append(f"checkpoint.mode={c.mode}: allowed: auto, min, max")
     if c.resume == "must" and not c.enabled:
         p.append("checkpoint.resume=must with checkpoint.enabled=false: resuming needs checkpoints")
     return p
@@ -147,6 +148,22 @@ def _check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
     return []
 
 
+def _check_metrics(metrics) -> list[str]:
+    """metrics: null (defaults for the loss) or name -> `_target_` node, each importable."""
+    if metrics is None:
+        return []
+    if not isinstance(metrics, dict):
+        return [f"metrics={metrics}: must be a mapping of name -> {{_target_: ...}} (or null for the loss's defaults)"]
+    problems = []
+    for name, node in metrics.items():
+        if not isinstance(node, dict):
+            problems.append(f"metrics.{name}={node}: must be a node with a _target_, e.g. "
+                            f"+metrics.{name}._target_=torchmetrics.MeanAbsoluteError")
+        else:
+            problems += _check_target(f"metrics.{name}", node)
+    return problems
+
+
 _TASKS = ("train", "bench", "tune")
 _BENCH_MODES = ("loader", "train")
 
@@ -172,7 +189,8 @@ def _check_bench(c: BenchConfig) -> list[str]:
 
 _SECTIONS = {"loader": (LoaderConfig, _check_loader), "trainer": (TrainerConfig, _check_trainer),
              "tracking": (TrackingConfig, _check_tracking), "telemetry": (TelemetryConfig, _check_telemetry),
-             "checkpoint": (CheckpointConfig, _check_checkpoint), "bench": (BenchConfig, _check_bench)}
+             "checkpoint": (CheckpointConfig, _check_checkpoint), "bench": (BenchConfig, _check_bench),
+             "batch": (BatchConfig, lambda c: [])}
 
 
 def _unknown_keys(section: str, schema, node: dict) -> list[str]:
@@ -207,7 +225,10 @@ def validate(resolved: dict) -> DlpipeConfig:
     optim = resolved["optim"]
     if isinstance(optim.get("lr"), (int, float)) and optim["lr"] <= 0:
         problems.append(f"optim.lr={optim['lr']}: must be > 0")
+    problems += _check_target("loss", resolved["loss"])
+    problems += _check_metrics(resolved.get("metrics"))
     if problems:
         raise ConfigError(problems)
     return DlpipeConfig(dataset=resolved["dataset"], model=resolved["model"], optim=resolved["optim"],
+                        loss=resolved["loss"], metrics=resolved.get("metrics"),
                         task=resolved.get("task", "train"), **sections)

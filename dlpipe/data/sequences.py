@@ -18,16 +18,25 @@ class TokenSequenceDataset(Dataset):
 
     The chain (which tokens may follow which, and how likely) is fixed by ``seed``; all tokens are
     generated once in ``__init__`` and kept as one LongTensor, so items cost a slice and a copy.
-    An item is ``(x, y)``: two LongTensors of length seq_len with ``y[t] == x[t + 1]``.
+    An item is ``(x, y)``: two LongTensors of length seq_len with ``y[t] == x[t + 1]``; with
+    ``as_dict`` it is ``{"input_ids": x, "labels": y}``.
+
+    With ``min_seq_len`` the lengths vary: item i has a length drawn once, uniformly from
+    [min_seq_len, seq_len], and is the prefix of the item the fixed-length dataset (same seed) has
+    at i. Such items do not stack: use a padding collate (dlpipe.loader.collate.PadSequences).
 
     Args:
         size: number of sequences, >= 1.
-        seq_len: length of x and y (each sequence holds seq_len + 1 tokens), >= 1.
+        seq_len: length of x and y (each sequence holds seq_len + 1 tokens), >= 1; with
+            min_seq_len, the longest length.
         vocab_size: number of distinct tokens, >= 2; also ``num_classes`` (targets are token ids).
-        seed: seed of the chain and the sequences, >= 0.
+        seed: seed of the chain, the sequences and their lengths, >= 0.
+        min_seq_len: shortest length, 1 to seq_len; None: every item is seq_len long.
+        as_dict: items as dicts ``{"input_ids", "labels"}`` (the Hugging Face layout) instead of tuples.
     """
 
-    def __init__(self, size: int = 4096, seq_len: int = 64, vocab_size: int = 128, seed: int = 0):
+    def __init__(self, size: int = 4096, seq_len: int = 64, vocab_size: int = 128, seed: int = 0,
+                 min_seq_len: int | None = None, as_dict: bool = False):
         if size < 1:
             raise DataError(f"dataset.size={size}: must be >= 1")
         if seq_len < 1:
@@ -36,17 +45,29 @@ class TokenSequenceDataset(Dataset):
             raise DataError(f"dataset.vocab_size={vocab_size}: must be >= 2")
         if seed < 0:
             raise DataError(f"dataset.seed={seed}: must be >= 0")
+        if min_seq_len is not None and not 1 <= min_seq_len <= seq_len:
+            raise DataError(f"dataset.min_seq_len={min_seq_len}: must be from 1 to dataset.seq_len={seq_len}, "
+                            "or null for fixed-length items")
         self.seq_len = int(seq_len)
         self.vocab_size = self.num_classes = int(vocab_size)
+        self.as_dict = bool(as_dict)
         self.tokens = torch.from_numpy(_markov_tokens(size, seq_len + 1, vocab_size, seed))
+        self.lengths = None
+        if min_seq_len is not None:
+            # A generator of its own: the tokens stay those of the fixed-length dataset with this seed.
+            lengths = np.random.default_rng([seed, 1]).integers(min_seq_len, seq_len, size, endpoint=True)
+            self.lengths = torch.from_numpy(lengths)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
         row = self.tokens[index]
+        if self.lengths is not None:
+            row = row[: int(self.lengths[index]) + 1]
         # clone(): a view would carry the whole token storage when a worker sends an unbatched item.
-        return row[:-1].clone(), row[1:].clone()
+        x, y = row[:-1].clone(), row[1:].clone()
+        return {"input_ids": x, "labels": y} if self.as_dict else (x, y)
 
 
 def _markov_tokens(size: int, length: int, vocab: int, seed: int) -> np.ndarray:

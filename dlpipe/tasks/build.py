@@ -100,7 +100,8 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
 
     reasons = {}
     if policy.is_auto(raw_loader["num_workers"], "auto_workers") and loader.num_workers and len(train_set):
-        decision = workers_for_data(loader.num_workers, item_fetch_seconds(train_set, loader.batch_size))
+        seconds = item_fetch_seconds(train_set, loader.batch_size, collate_fn=build_collate(loader))
+        decision = workers_for_data(loader.num_workers, seconds)
         if decision.value != loader.num_workers:
             loader = replace(loader, num_workers=decision.value)
             reasons["loader.num_workers"] = f"{decision.value} (auto: {decision.reason})"
@@ -115,12 +116,36 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
     return loader, reasons
 
 
+def build_collate(loader: LoaderConfig):
+    """The callable loader.collate_fn builds (e.g. dlpipe.loader.collate.PadSequences), or None for
+    PyTorch's default_collate."""
+    node = loader.collate_fn
+    if node is None:
+        return None
+    if not isinstance(node, dict) or "_target_" not in node:
+        raise ConfigError([f"loader.collate_fn={node!r}: must be a node with a _target_ (e.g. "
+                           "{_target_: dlpipe.loader.collate.PadSequences}) or null"])
+    collate = _instantiate("loader.collate_fn", node)
+    if not callable(collate):
+        raise ConfigError([f"loader.collate_fn._target_={node['_target_']}: built a {type(collate).__name__}, "
+                           "which is not callable; a collate function takes a list of items and returns a batch"])
+    return collate
+
+
+def loader_settings(loader: LoaderConfig) -> dict:
+    """build_loader's keyword arguments from the loader config, loader.collate_fn built: what train,
+    bench and tune (each candidate) build their loaders with."""
+    from dlpipe.loader.build import dataloader_settings
+
+    return {**dataloader_settings(loader), "collate_fn": build_collate(loader)}
+
+
 def build_loaders(cfg: DlpipeConfig, train_set, val_set, rank: int = 0, world: int = 1):
     """Training and validation loaders (the validation one None without a split); with world > 1,
     each loads this rank's share and loader.batch_size is per rank."""
-    from dlpipe.loader.build import build_loader, dataloader_settings
+    from dlpipe.loader.build import build_loader
 
-    lc = dataloader_settings(cfg.loader)
+    lc = loader_settings(cfg.loader)
     cuda = cfg.trainer.device.startswith("cuda")
     seed = cfg.trainer.seed
     train = build_loader(train_set, **lc, seed=seed, cuda=cuda, role="train", rank=rank, world=world)
@@ -138,3 +163,68 @@ def build_loaders(cfg: DlpipeConfig, train_set, val_set, rank: int = 0, world: i
                   persistent_workers=False)
         val = build_loader(val_set, **lc, seed=seed, cuda=cuda, role="val", rank=rank, world=world)
     return train, val
+
+
+def build_objective(cfg: DlpipeConfig):
+    """The loss (conf/loss/: any nn.Module or callable) and the batch layout it is fed from."""
+    from dlpipe.training.objective import Objective
+
+    return Objective(_instantiate("loss", cfg.loss), cfg.batch.input, cfg.batch.target)
+
+
+def check_objective(cfg: DlpipeConfig, objective, model, train_set, collate_fn=None):
+    """Two real samples through the model and the loss, before anything is tracked: a sample the
+    loss cannot use is one line naming the field. Returns the model's predictions for them."""
+    from torch.utils.data import default_collate
+
+    from dlpipe.loader.faults import SampleError
+
+    items = [train_set[i] for i in range(min(2, len(train_set)))]
+    try:
+        batch = (collate_fn or default_collate)(items)
+    except (TypeError, RuntimeError) as e:
+        raise SampleError(f"dataset items 0-1 do not collate into a batch ({type(e).__name__}: {e}); variable-length "
+                          "items need loader.collate_fn (e.g. dlpipe.loader.collate.PadSequences)") from e
+    return objective.check(model, batch, f"loss._target_={cfg.loss.get('_target_')}")
+
+
+def build_metrics(cfg: DlpipeConfig, objective, prediction) -> dict:
+    """Validation metrics by name: cfg.metrics when given, else the defaults for the loss's kind
+    (accuracy for classification, sized by the model's output; mse, mae and r2 for regression)."""
+    import torchmetrics
+
+    from dlpipe.training import objective as kinds
+    from dlpipe.training.losses import IGNORE_INDEX
+
+    if cfg.metrics is not None:
+        return {name: _instantiate(f"metrics.{name}", node) for name, node in cfg.metrics.items()}
+    if objective.kind == kinds.CLASSIFICATION:
+        classes = int(prediction.shape[-1])
+        return {"accuracy": torchmetrics.classification.MulticlassAccuracy(
+            num_classes=classes, average="micro", ignore_index=IGNORE_INDEX)}
+    if objective.kind == kinds.BINARY:
+        return {"accuracy": torchmetrics.classification.BinaryAccuracy()}
+    if objective.kind == kinds.REGRESSION:
+        return {"mse": torchmetrics.MeanSquaredError(), "mae": torchmetrics.MeanAbsoluteError(),
+                "r2": torchmetrics.R2Score()}
+    return {}
+
+
+def monitor_mode(cfg: DlpipeConfig, metrics: dict, validates: bool) -> str:
+    """checkpoint.mode for checkpoint.monitor: `auto` takes the direction from the metric (a loss
+    is minimised, a torchmetrics metric says `higher_is_better`); the monitor must be logged."""
+    monitor, mode = cfg.checkpoint.monitor, cfg.checkpoint.mode
+    logged = ["val_loss", *(f"val_{name}" for name in metrics)]
+    if monitor is not None and validates and monitor.startswith("val_") and monitor not in logged:
+        raise ConfigError([f"checkpoint.monitor={monitor}: this run logs no such validation metric; "
+                           f"allowed: {', '.join(logged)} (or any epoch metric, e.g. train_loss)"])
+    if mode != "auto" or monitor is None:
+        return mode if mode != "auto" else "min"
+    if monitor.endswith("loss"):
+        return "min"
+    metric = metrics.get(monitor.removeprefix("val_"))
+    higher = getattr(metric, "higher_is_better", None)
+    if higher is None:
+        raise ConfigError([f"checkpoint.monitor={monitor} with checkpoint.mode=auto: its direction is unknown; "
+                           "set checkpoint.mode=min or checkpoint.mode=max"])
+    return "max" if higher else "min"

@@ -86,14 +86,16 @@ def measured_train_step(cfg: DlpipeConfig, model, optimizer):
     batch also goes through."""
     import torch
 
-    from dlpipe.training.batches import to_device, training_loss
+    from dlpipe.tasks.build import build_objective
+    from dlpipe.training.batches import to_device
 
     device = torch.device(cfg.trainer.device)
     model = model.to(device).train()
+    objective = build_objective(cfg)
 
     def step(batch) -> None:
-        inputs, target = to_device(batch, device, non_blocking=True)
-        training_loss(model(inputs), target).backward()
+        batch = to_device(batch, device, non_blocking=True)
+        objective.loss(*objective.forward(model, batch)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -184,7 +184,7 @@ class TrainJob:
 
 def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks) -> TrainJob:
     """Data, model, loaders, trainer, telemetry and checkpoint store, and the run's params and tags."""
-    from dlpipe.tasks.build import build_data_and_model, build_loaders
+    from dlpipe.tasks.build import build_data_and_model, build_loaders, monitor_mode
     from dlpipe.training.checkpoint import CheckpointStore
     from dlpipe.training.rng import seed_everything
 
@@ -196,6 +196,9 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     budget = hardware.cpu_budget()
     if ranks.is_main:
         warn_about_loaders(cfg, train_set, (train_plan, val_plan), budget.budget)
+    objective, val_metrics = build_objective_and_metrics(cfg, model, train_set, train_plan.loader.collate_fn)
+    validates = val_plan is not None and cfg.trainer.limit_val_batches != 0
+    mode = monitor_mode(cfg, val_metrics, validates)
     shown = recorded_config(cfg)  # what is recorded anywhere; `cfg` itself builds the job
     resolved_yaml = yaml.safe_dump(shown, sort_keys=False)
     if ranks.is_main:
@@ -204,12 +207,30 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     config_flat = flatten(shown)
     ck = cfg.checkpoint
     folder = Path(ck.dir) if ck.dir else ctx.output_dir / "checkpoints"
-    store = CheckpointStore(folder, ck.keep_last, ck.monitor, ck.mode)
+    store = CheckpointStore(folder, ck.keep_last, ck.monitor, mode)
     trainer, sampler, profiler, allocations = build_trainer(ctx, cfg, ranks, model, optimizer, budget.budget)
+    trainer.objective, trainer.val_metrics = objective, {k: m.to(trainer.device) for k, m in val_metrics.items()}
     params = {**config_flat, **hardware.host_facts(cpu=budget), **{f"auto.{k}": v for k, v in decided.items()},
               **job_params(cfg, ranks, train_plan, model)}
     return TrainJob(ctx, cfg, ranks, train_plan, val_plan, trainer, store, sampler, profiler, allocations,
                     params, run_tags(ctx), resolved_yaml, config_flat, budget.budget)
+
+
+def build_objective_and_metrics(cfg: DlpipeConfig, model, train_set, collate_fn):
+    """The loss with its batch layout, checked on two real samples, and the validation metrics
+    (sized by the model's output for the default accuracy)."""
+    from dlpipe.tasks.build import build_metrics, build_objective, check_objective
+    from dlpipe.training import rng
+
+    objective = build_objective(cfg)
+    state, training = rng.capture(), model.training
+    model.eval()  # no dropout: the check draws no random numbers the run would then miss
+    try:
+        prediction = check_objective(cfg, objective, model, train_set, collate_fn)
+    finally:
+        model.train(training)
+        rng.restore(state)  # fetching the items may have augmented them: the run's streams stay as they were
+    return objective, build_metrics(cfg, objective, prediction)
 
 
 def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int):

@@ -72,12 +72,12 @@ def automatic_persistence(raw: dict, cfg: DlpipeConfig, train_size: int):
 def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_bytes: int, sampler, step):
     """evaluate(candidate) -> Trial for the search: the memory guard, the measurement, a log line
     and a child MLflow run per measured candidate."""
-    from dlpipe.loader.build import dataloader_settings
     from dlpipe.loader.measure import describe
+    from dlpipe.tasks.build import loader_settings
     from dlpipe.tracking.run import MlflowRun
 
     bench, tracking = cfg.bench, cfg.tracking
-    settings = dataloader_settings(cfg.loader)
+    settings = loader_settings(cfg.loader)  # loader.collate_fn built: every candidate collates like the job
     cuda = cfg.trainer.device.startswith("cuda")
     worker_rss = [0.0]  # the largest per-worker RSS measured so far, for the memory guard
 

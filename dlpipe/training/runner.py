@@ -19,7 +19,9 @@ from dlpipe.training import rng
 from dlpipe.training.accumulation import Window
 
 # Also importable from here: tests and benchmarks drive the loop with these names.
-from dlpipe.training.batches import loss_and_correct, non_blocking_copies, to_device, training_loss, workers_died
+from dlpipe.training.batches import non_blocking_copies, to_device, workers_died
+from dlpipe.training.evaluate import evaluate
+from dlpipe.training.objective import Objective
 from dlpipe.training.protocols import MetricSink, NoMetrics, Peers
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,8 @@ class Trainer:
         peers: Peers | None = None,
         stop: StopRequest | None = None,
         cuda_sync_every: int = 25,
+        objective: Objective | None = None,
+        val_metrics: dict | None = None,
     ):
         """`on_epoch` sees each epoch's metrics after they are logged (the job prints the verdict
         there); `profiler` gets .step() after every micro-batch (dlpipe.telemetry.profiling.StepProfiler).
@@ -76,6 +80,9 @@ class Trainer:
         self.step = 0  # optimizer steps taken
         self.stop = stop or StopRequest()  # a signal handler (dlpipe.stop) sets it; read at every optimizer step
         self.cuda_sync_every = cuda_sync_every
+        self.objective = objective or Objective()  # cross-entropy on (input, target) batches
+        # torchmetrics objects by name, logged as val_<name>; their states live on the device
+        self.val_metrics = {k: m.to(self.device) for k, m in (val_metrics or {}).items()}
         self._epoch_start_generator = None
         self._resume: tuple[int, dict] | None = None
         self._log_loss = torch.zeros((), device=self.device)  # loss since the last train_loss_step
@@ -171,8 +178,8 @@ class Trainer:
             if batch is _END:
                 break
             clock.waited()
-            inputs, target = self._to_device(batch, non_blocking, clock)
-            n = target.shape[0]
+            batch = self._to_device(batch, non_blocking, clock)
+            n = self.objective.samples(batch)
             scale = window.add(n)
             last = done + 1 == total  # the epoch's last batch; never known without a length
             # The epoch's last batch ends its window too: a last, partial window still updates the model.
@@ -181,7 +188,7 @@ class Trainer:
             # an optimizer step there is nothing to average yet, so skip that communication.
             with nullcontext() if steps_now or self.net is self.model else self.net.no_sync():
                 with self._autocast():
-                    loss = training_loss(self.net(inputs), target)
+                    loss = self.objective.loss(*self.objective.forward(self.net, batch))
                 self.scaler.scale(loss * scale).backward()
             detached = loss.detach()
             loss_sum.add_(detached, alpha=n)  # in place, one op: this runs every micro-step
@@ -319,27 +326,8 @@ class Trainer:
             # GPU time shows up later as "data wait" of whichever step blocks first.
             torch.cuda.synchronize(self.device)
 
-    @torch.no_grad()
     def validate(self, loader) -> dict[str, float]:
-        s = self.settings
+        """val_loss and every validation metric over the whole split (training.evaluate)."""
         self.model.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        correct = torch.zeros((), device=self.device, dtype=torch.long)
-        samples = targets = 0
-        non_blocking = non_blocking_copies(self.device, loader)
-        for i, batch in enumerate(loader):
-            if 0 < s.limit_val_batches <= i:
-                break
-            inputs, target = to_device(batch, self.device, non_blocking)
-            with self._autocast():
-                loss, right = loss_and_correct(self.model(inputs), target)
-            loss_sum += loss.float() * target.shape[0]
-            correct += right
-            samples += target.shape[0]
-            targets += target.numel()
-        loss_total, right_total = loss_sum.item(), correct.item()
-        if self.peers is not None:  # each rank scored its own share: add the counts up
-            loss_total, right_total, samples, targets = self.peers.sum([loss_total, right_total, samples, targets])
-        if samples == 0:
-            return {}
-        return {"val_loss": loss_total / samples, "val_accuracy": right_total / targets}
+        return evaluate(self.model, loader, self.objective, self.val_metrics, device=self.device,
+                        limit_batches=self.settings.limit_val_batches, autocast=self._autocast, peers=self.peers)

@@ -1,0 +1,71 @@
+"""Tasks beyond the built-in classifiers, through the real `dlpipe` command and a real MLflow store:
+a regression, a user's dict samples with a model that computes its own loss, and the one-line
+refusals of samples a loss cannot use."""
+
+import json
+
+from conftest import runs_of
+
+QUIET = ["trainer.progress=false"]
+
+
+def test_a_regression_trains_to_r2_above_0_9_and_keeps_the_best_by_it(tmp_path, dlpipe, mlflow_store, mlflow_client):
+    r = dlpipe("+recipe=regression", *QUIET, "dataset.size=2048", "hydra.run.dir=run",
+               f"tracking.uri={mlflow_store}", "tracking.experiment=regression")
+    assert r.returncode == 0, r.stderr
+    [run] = runs_of(mlflow_client, "regression")
+    metrics = run.data.metrics
+    assert run.info.status == "FINISHED" and metrics["val_r2"] > 0.9, metrics
+    assert {"val_mse", "val_mae", "val_loss"} <= set(metrics) and "val_accuracy" not in metrics
+    assert metrics["val_mse"] < metrics["val_mae"] < 1.0
+    best = json.loads((tmp_path / "run" / "checkpoints" / "best.json").read_text())
+    r2 = [m.value for m in mlflow_client.get_metric_history(run.info.run_id, "val_r2")]
+    assert best["monitor"] == "val_r2" and best["value"] == max(r2)  # higher is better, from the metric itself
+    assert run.data.params["loss._target_"] == "torch.nn.MSELoss"
+
+
+def write_user_configs(root):
+    (root / "dataset").mkdir(parents=True)
+    (root / "model").mkdir()
+    (root / "dataset" / "dicts.yaml").write_text("_target_: user_task.DictDataset\nsize: 512\nnum_features: 8\n")
+    (root / "model" / "selfloss.yaml").write_text("_target_: user_task.SelfLossClassifier\nnum_features: 8\n")
+
+
+def test_dict_samples_and_a_model_that_computes_its_own_loss(tmp_path, dlpipe, mlflow_store, mlflow_client):
+    """Hugging Face style: the whole dict goes to the model, which returns its loss with the logits;
+    a torchmetrics metric from the command line scores the logits against `labels`."""
+    write_user_configs(tmp_path / "mine")
+    r = dlpipe("--config-dir", str(tmp_path / "mine"), "dataset=dicts", "model=selfloss", "loss=model",
+               "batch.target=labels", "loader=in_memory", "loader.batch_size=32", "trainer.epochs=3", *QUIET,
+               "+metrics.accuracy._target_=torchmetrics.classification.MulticlassAccuracy",
+               "+metrics.accuracy.num_classes=2", "checkpoint.monitor=val_accuracy",
+               f"tracking.uri={mlflow_store}", "tracking.experiment=dicts")
+    assert r.returncode == 0, r.stderr
+    [run] = runs_of(mlflow_client, "dicts")
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["val_accuracy"] > 0.9, run.data.metrics
+    losses = [m.value for m in sorted(mlflow_client.get_metric_history(run.info.run_id, "train_loss"),
+                                      key=lambda m: m.step)]
+    assert len(losses) == 3 and losses[-1] < losses[0]  # the model's own loss is what was minimised
+
+
+def test_samples_the_loss_cannot_use_are_one_line_before_anything_starts(tmp_path, dlpipe, mlflow_store,
+                                                                         mlflow_client):
+    write_user_configs(tmp_path / "mine")
+    cases = [
+        (["+recipe=tabular", "loss=mse"],
+         "loss._target_=torch.nn.MSELoss: the model's output [2, 4] float32 does not match the target [2] int64"),
+        (["--config-dir", str(tmp_path / "mine"), "dataset=dicts", "model=selfloss", "batch.target=label"],
+         "batch.target=label: the batch has no field 'label' (it has: features, labels)"),
+        (["+recipe=regression", "checkpoint.monitor=val_accuracy"],
+         "checkpoint.monitor=val_accuracy: this run logs no such validation metric; "
+         "allowed: val_loss, val_mse, val_mae, val_r2"),
+    ]
+    for args, expected in cases:
+        r = dlpipe(*args, *QUIET, "dataset.size=64", "hydra.run.dir=out", f"tracking.uri={mlflow_store}",
+                   "tracking.experiment=refused")
+        errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error:")]
+        assert r.returncode == 2 and len(errors) == 1 and expected in errors[0], r.stderr
+        assert "Traceback" not in r.stderr
+        assert not (tmp_path / "out").exists()  # nothing left behind
+    assert runs_of(mlflow_client, "refused") == []

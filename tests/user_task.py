@@ -1,0 +1,38 @@
+"""A user's own task, as a new user would bring it: dict samples (Hugging Face style) and a model
+that computes its own loss when it is given the labels. Used by the CLI tests through _target_."""
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class DictDataset(Dataset):
+    """{"features": [num_features] float, "labels": int}: two Gaussian classes."""
+
+    def __init__(self, size: int = 512, num_features: int = 8, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, 2, (size,), generator=g)
+        centres = torch.randn(2, num_features, generator=g) * 2
+        self.features = centres[self.labels] + 0.5 * torch.randn(size, num_features, generator=g)
+        self.num_features = num_features
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"features": self.features[index].clone(), "labels": int(self.labels[index])}
+
+
+class SelfLossClassifier(nn.Module):
+    """model(features=..., labels=None) -> {"logits": [B, 2]} plus "loss" when labels are given."""
+
+    def __init__(self, num_features: int = 8):
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(num_features, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = self.head(features)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits, labels)
+        return out
