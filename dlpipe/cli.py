@@ -83,6 +83,10 @@ def _task_module(task: str):
         from dlpipe.tasks import tune
 
         return tune
+    if task == "eval":
+        from dlpipe.tasks import eval as evaluation
+
+        return evaluation
     from dlpipe.tasks import train
 
     return train
@@ -145,7 +149,7 @@ def main() -> None:
         from dlpipe.tasks import sync
 
         sys.exit(sync.main(sys.argv[2:]))
-    if sys.argv[1:2] in (["bench"], ["tune"]):
+    if sys.argv[1:2] in (["bench"], ["tune"], ["eval"]):
         # `dlpipe bench ARGS` is `dlpipe ARGS task=bench`: the same Hydra app, so recipes,
         # overrides and --multirun work unchanged (last, after any --config-dir option)
         sys.argv = with_overrides([sys.argv[0], *sys.argv[2:]], [f"task={sys.argv[1]}"])

@@ -4,10 +4,11 @@ A leaf module (plain dataclasses; no torch, no Hydra): the tasks pass these obje
 the runner, the loader builder and the trackers, so a new key reaches its user by being declared
 here and read there, never by being copied into another settings class.
 
-`dataset`, `model`, `optim`, `loss` and `metrics` are `_target_` nodes (any importable class, checked against its
-signature before anything is built), so they are open dicts here. The other groups are closed
-dataclasses: a typo or a wrong type fails at composition, naming the key. Ranges and cross-field
-rules live in `config/validation.py` because OmegaConf does not run `__post_init__` on merges.
+`dataset`, `model`, `optim`, `loss`, `metrics` and `scheduler` are `_target_` nodes (any importable
+class, checked against its signature before anything is built), so they are open dicts here. The
+other groups are closed dataclasses: a typo or a wrong type fails at composition, naming the key.
+Ranges and cross-field rules live in `config/validation.py` because OmegaConf does not run
+`__post_init__` on merges.
 """
 
 from dataclasses import dataclass, field
@@ -150,6 +151,11 @@ class CheckpointConfig:
     resume: str = "auto"
     """auto: resume from the newest readable checkpoint in `dir` if there is one; must: fail if
     there is none; never: always start from scratch (existing checkpoints are left alone)."""
+    init_from: str | None = None
+    """A checkpoint file (best.pt, epoch-N.pt) or a run's checkpoints/ folder (its best.pt, else its
+    newest epoch) whose model weights start this run: fine-tuning, with a fresh optimizer, schedule
+    and epoch count. `dlpipe eval` scores these weights. A checkpoint of this run's own folder to
+    resume from takes precedence: an interrupted fine-tune continues where it stopped."""
     keep_last: int = 2
     """Epoch checkpoints to keep (the best one is kept in addition)."""
     monitor: str | None = "val_loss"
@@ -183,6 +189,12 @@ class BenchConfig:
     """tune: the loader option name the result is written as."""
 
 
+SCHEDULER_INTERVALS = ("step", "epoch")
+"""scheduler.interval: step the schedule after every optimizer step, or after every epoch."""
+SCHEDULER_DEFAULT_INTERVAL = "epoch"
+"""For a scheduler node without `interval` (your own `_target_`): once an epoch, as PyTorch's examples step them."""
+
+
 @dataclass
 class DlpipeConfig:
     """The whole job."""
@@ -196,6 +208,13 @@ class DlpipeConfig:
     metrics: Any = None
     """Validation metrics, name -> `_target_` node (torchmetrics), logged as val_<name>; None picks
     them by the loss (accuracy for classification, mse/mae/r2 for regression), {} logs none."""
+    scheduler: Any = None
+    """The learning-rate schedule: a `_target_` node built with the optimizer as its first argument
+    (any torch.optim.lr_scheduler class; conf/scheduler/ has cosine and linear with warm-up, onecycle,
+    step), or None / {} (scheduler=none) for the optimizer's lr throughout. dlpipe's own key
+    `interval` (step or epoch, SCHEDULER_INTERVALS; default SCHEDULER_DEFAULT_INTERVAL) says when it is
+    stepped and is not passed on; a `total_steps` the class takes and the node leaves out is derived
+    (the run's optimizer steps, or its epochs with interval=epoch)."""
     batch: BatchConfig = field(default_factory=BatchConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -204,5 +223,5 @@ class DlpipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     task: str = "train"
-    """train, bench or tune (`dlpipe bench ...` and `dlpipe tune ...` set it)."""
+    """train, bench, tune or eval (`dlpipe bench ...`, `dlpipe tune ...` and `dlpipe eval ...` set it)."""
 

@@ -90,7 +90,7 @@ def test_loader_and_tracking_options_build(loader, tracking):
     assert train_plan.notes == [] and val_plan.notes == []  # shipped presets are consistent as they are
 
 
-@pytest.mark.parametrize("task", ["train", "bench", "tune"])
+@pytest.mark.parametrize("task", ["train", "bench", "tune", "eval"])
 def test_bench_options_compose_for_every_task(task):
     cfg = make(f"task={task}", *SMALL["vision"])
     _, resolved = resolve(cfg)

@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dlpipe"
 LEAVES = {"errors", "hardware", "gpu", "redact", "console", "stop", "schema"}
-TASKS = {"train", "bench", "tune", "sync"}
+TASKS = {"train", "bench", "tune", "eval", "sync"}
 
 
 def modules() -> list[Path]:

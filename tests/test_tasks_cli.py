@@ -69,3 +69,76 @@ def test_samples_the_loss_cannot_use_are_one_line_before_anything_starts(tmp_pat
         assert "Traceback" not in r.stderr
         assert not (tmp_path / "out").exists()  # nothing left behind
     assert runs_of(mlflow_client, "refused") == []
+
+
+def test_any_target_hydra_accepts_with_only_the_keys_given(tmp_path, dlpipe, mlflow_store, mlflow_client):
+    """model=custom / dataset=custom start from nothing but the _target_, which may name a factory
+    (Class.method) as third-party models often need."""
+    r = dlpipe("model=custom", "model._target_=user_task.SelfLossClassifier.from_width", "+model.num_features=8",
+               "+model.width=32", "dataset=custom", "dataset._target_=user_task.DictDataset", "+dataset.size=256",
+               "loss=model", "batch.target=labels", "loader=in_memory", "trainer.epochs=1", *QUIET,
+               f"tracking.uri={mlflow_store}", "tracking.experiment=factory")
+    assert r.returncode == 0, r.stderr
+    [run] = runs_of(mlflow_client, "factory")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model._target_"] == "user_task.SelfLossClassifier.from_width"
+    assert int(run.data.params["model.parameters"]) == 8 * 32 + 32 + 32 * 2 + 2  # the factory's width, not 16
+
+
+def test_every_kind_of_import_failure_is_one_line_and_leaves_nothing(tmp_path, dlpipe, mlflow_store, mlflow_client):
+    cases = [
+        ("user_broken.Net", "cannot be imported (importing user_broken raised RuntimeError: this extension was "
+                            "built for another torch)"),
+        ("user_missing_dependency.Net", "cannot be imported (importing user_missing_dependency failed: No module "
+                                        "named 'dlpipe_test_package_that_is_not_installed')"),
+        ("not_a_package_here.Net", "cannot be imported (no module named 'not_a_package_here': is its package "
+                                   "installed in this environment?)"),
+        ("user_task.SelfLossClassifier.nope", "cannot be imported (user_task.SelfLossClassifier has no attribute "
+                                              "'nope')"),
+    ]
+    for target, expected in cases:
+        r = dlpipe("+recipe=tabular", "model=custom", f"model._target_={target}", *QUIET, "hydra.run.dir=out",
+                   f"tracking.uri={mlflow_store}", "tracking.experiment=imports")
+        errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error:")]
+        assert r.returncode == 2 and errors == [f"dlpipe: error: model._target_={target}: {expected}"], r.stderr
+        assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+    r = dlpipe("+recipe=tabular", "model._target_=user_task.SelfLossClassifier", *QUIET, "hydra.run.dir=out")
+    assert r.returncode == 2 and "start from model=custom" in r.stderr  # the mlp option's keys do not fit
+    assert runs_of(mlflow_client, "imports") == []
+
+
+def test_eval_reproduces_the_saved_epoch_and_init_from_fine_tunes(tmp_path, dlpipe, mlflow_store, mlflow_client):
+    """Scoring a run's epoch checkpoint gives that epoch's validation numbers; a new run started from
+    the run's checkpoints folder (its best.pt) begins where the first one ended."""
+    common = ["+recipe=tabular", "dataset.size=1024", *QUIET, f"tracking.uri={mlflow_store}"]
+    r = dlpipe(*common, "trainer.epochs=2", "hydra.run.dir=first", "tracking.experiment=eval-train")
+    assert r.returncode == 0, r.stderr
+    [trained] = runs_of(mlflow_client, "eval-train")
+    r = dlpipe("eval", *common, "checkpoint.init_from=first/checkpoints/epoch-0002.pt", "hydra.run.dir=scored",
+               "tracking.experiment=eval-score")
+    assert r.returncode == 0, r.stderr
+    [scored] = runs_of(mlflow_client, "eval-score")
+    assert scored.info.status == "FINISHED" and scored.data.tags["dlpipe.task"] == "eval"
+    for key in ("val_loss", "val_accuracy"):
+        at_epoch_2 = [m.value for m in mlflow_client.get_metric_history(trained.info.run_id, key) if m.step == 2]
+        assert abs(scored.data.metrics[key] - at_epoch_2[0]) < 1e-6, key
+    assert f"eval: val_loss {scored.data.metrics['val_loss']:.4f}" in r.stdout
+
+    r = dlpipe(*common, "trainer.epochs=1", "checkpoint.init_from=first/checkpoints", "hydra.run.dir=tuned",
+               "tracking.experiment=eval-finetune")
+    assert r.returncode == 0, r.stderr
+    [tuned] = runs_of(mlflow_client, "eval-finetune")
+    assert tuned.data.tags["dlpipe.init_from"].endswith("first/checkpoints/best.pt")
+    first_epoch = [m.value for m in mlflow_client.get_metric_history(trained.info.run_id, "train_loss") if m.step == 1]
+    assert tuned.data.metrics["train_loss"] < first_epoch[0]  # started from trained weights, not from scratch
+
+
+def test_eval_needs_weights_that_exist(tmp_path, dlpipe):
+    for args, expected in [
+        ([], "checkpoint.init_from=null: dlpipe eval scores saved weights"),
+        (["checkpoint.init_from=nowhere/best.pt"], "checkpoint.init_from=nowhere/best.pt: no such file or folder"),
+    ]:
+        r = dlpipe("eval", "+recipe=tabular", "dataset.size=256", "tracking=none", "hydra.run.dir=out", *args)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error:")]
+        assert r.returncode == 2 and len(errors) == 1 and expected in errors[0], r.stderr
+        assert not (tmp_path / "out").exists()

@@ -30,6 +30,13 @@ class SelfLossClassifier(nn.Module):
         super().__init__()
         self.head = nn.Sequential(nn.Linear(num_features, 16), nn.ReLU(), nn.Linear(16, 2))
 
+    @classmethod
+    def from_width(cls, num_features: int, width: int = 16) -> "SelfLossClassifier":
+        """A factory, as third-party models often have (`Net.from_name(...)`): a _target_ may name it."""
+        model = cls(num_features)
+        model.head[0], model.head[2] = nn.Linear(num_features, width), nn.Linear(width, 2)
+        return model
+
     def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
         logits = self.head(features)
         out = {"logits": logits}

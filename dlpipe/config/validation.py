@@ -3,9 +3,10 @@
 import difflib
 import importlib
 import inspect
+import os
 import re
 
-from dlpipe.errors import ConfigError
+from dlpipe.errors import ConfigError, first_line
 from dlpipe.schema import (
     BatchConfig,
     BenchConfig,
@@ -110,15 +111,42 @@ def _check_checkpoint(c: CheckpointConfig) -> list[str]:
         p.append(f"checkpoint.mode={c.mode}: allowed: auto, min, max")
     if c.resume == "must" and not c.enabled:
         p.append("checkpoint.resume=must with checkpoint.enabled=false: resuming needs checkpoints")
+    if c.init_from is not None and not os.path.exists(c.init_from):
+        p.append(f"checkpoint.init_from={c.init_from}: no such file or folder (a checkpoint such as "
+                 "outputs/DATE/TIME/checkpoints/best.pt, or a run's checkpoints/ folder)")
     return p
 
 
 def locate(target: str):
-    """Import 'pkg.module.Name' and return the object, or raise ImportError/AttributeError."""
-    module_name, _, attr = target.rpartition(".")
-    if not module_name:
+    """The object a `_target_` names, found as Hydra's instantiate finds it: the longest importable
+    module path, then attributes (so `pkg.module.Class.factory` works). Every failure, whatever the
+    imported code raised, is an ImportError whose message is one line for the user."""
+    parts = target.split(".")
+    if len(parts) < 2 or not all(parts):
         raise ImportError(f"'{target}' is not a dotted path like package.module.Class")
-    return getattr(importlib.import_module(module_name), attr)
+    obj = _import(parts[0])
+    for i, part in enumerate(parts[1:], start=2):
+        try:
+            obj = getattr(obj, part)
+            continue
+        except AttributeError:
+            if not inspect.ismodule(obj):
+                raise ImportError(f"{'.'.join(parts[:i - 1])} has no attribute '{part}'") from None
+        obj = _import(".".join(parts[:i]), parent=".".join(parts[:i - 1]))
+    return obj
+
+
+def _import(name: str, parent: str | None = None):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name:  # the module itself is not there (not one it imports)
+            where = f"{parent} has no attribute or submodule '{name.rsplit('.', 1)[-1]}'" if parent else \
+                f"no module named '{name}': is its package installed in this environment?"
+            raise ImportError(where) from None
+        raise ImportError(f"importing {name} failed: {first_line(e)}") from None
+    except Exception as e:  # the module's own code failed: a missing dependency's error, a syntax error, ...
+        raise ImportError(f"importing {name} raised {type(e).__name__}: {first_line(e)}") from None
 
 
 def _check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
@@ -128,7 +156,7 @@ def _check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
         return [f"{group}._target_ is missing: set it to an importable class, e.g. {group}._target_=pkg.module.Class"]
     try:
         obj = locate(target)
-    except (ImportError, AttributeError) as e:
+    except ImportError as e:
         return [f"{group}._target_={target}: cannot be imported ({e})"]
     try:
         sig = inspect.signature(obj)
@@ -141,8 +169,10 @@ def _check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
     given = [k for k in node if not k.startswith("_")]
     unknown = [k for k in given if k not in allowed]
     if unknown:
+        # A swapped _target_ keeps the keys of the group option it replaced: say how to start clean.
+        hint = f"; to set only your own keys start from {group}=custom" if group in ("model", "dataset") else ""
         return [
-            f"{group}.{k}: not a parameter of {target} (allowed: {', '.join(allowed[extra_args:]) or 'none'})"
+            f"{group}.{k}: not a parameter of {target} (allowed: {', '.join(allowed[extra_args:]) or 'none'}){hint}"
             for k in unknown
         ]
     return []
@@ -164,7 +194,7 @@ def _check_metrics(metrics) -> list[str]:
     return problems
 
 
-_TASKS = ("train", "bench", "tune")
+_TASKS = ("train", "bench", "tune", "eval")
 _BENCH_MODES = ("loader", "train")
 
 

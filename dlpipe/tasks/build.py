@@ -165,6 +165,22 @@ def build_loaders(cfg: DlpipeConfig, train_set, val_set, rank: int = 0, world: i
     return train, val
 
 
+def build_objective_and_metrics(cfg: DlpipeConfig, model, train_set, collate_fn):
+    """The loss with its batch layout, checked on two real samples, and the validation metrics
+    (sized by the model's output for the default accuracy)."""
+    from dlpipe.training import rng
+
+    objective = build_objective(cfg)
+    state, training = rng.capture(), model.training
+    model.eval()  # no dropout: the check draws no random numbers the run would then miss
+    try:
+        prediction = check_objective(cfg, objective, model, train_set, collate_fn)
+    finally:
+        model.train(training)
+        rng.restore(state)  # fetching the items may have augmented them: the run's streams stay as they were
+    return objective, build_metrics(cfg, objective, prediction)
+
+
 def build_objective(cfg: DlpipeConfig):
     """The loss (conf/loss/: any nn.Module or callable) and the batch layout it is fed from."""
     from dlpipe.training.objective import Objective

@@ -57,11 +57,14 @@ class TrainJob:
         return self.train_plan.loader
 
     def resume(self) -> str | None:
-        """Load the checkpoint `checkpoint.resume` points to, if any; returns its MLflow run id."""
-        from dlpipe.training.resume import check_model_fits, config_changes
+        """Load the checkpoint `checkpoint.resume` points to, if any, and return its MLflow run id;
+        else start from checkpoint.init_from's weights, if given (fine-tuning)."""
+        from dlpipe.training.resume import check_model_fits, config_changes, init_weights
 
         start, path = resume_point(self.store, self.cfg.checkpoint.resume, self.ranks)
         if start is None:
+            if self.cfg.checkpoint.init_from:  # every rank loads the same file: their weights agree
+                self.tags["dlpipe.init_from"] = str(init_weights(self.trainer.model, self.cfg.checkpoint.init_from))
             return None
         check_model_fits(self.trainer.model, start["model"], path)
         changed = config_changes(start.get("config", {}), self.config_flat)
@@ -184,7 +187,7 @@ class TrainJob:
 
 def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks) -> TrainJob:
     """Data, model, loaders, trainer, telemetry and checkpoint store, and the run's params and tags."""
-    from dlpipe.tasks.build import build_data_and_model, build_loaders, monitor_mode
+    from dlpipe.tasks.build import build_data_and_model, build_loaders, build_objective_and_metrics, monitor_mode
     from dlpipe.training.checkpoint import CheckpointStore
     from dlpipe.training.rng import seed_everything
 
@@ -214,23 +217,6 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
               **job_params(cfg, ranks, train_plan, model)}
     return TrainJob(ctx, cfg, ranks, train_plan, val_plan, trainer, store, sampler, profiler, allocations,
                     params, run_tags(ctx), resolved_yaml, config_flat, budget.budget)
-
-
-def build_objective_and_metrics(cfg: DlpipeConfig, model, train_set, collate_fn):
-    """The loss with its batch layout, checked on two real samples, and the validation metrics
-    (sized by the model's output for the default accuracy)."""
-    from dlpipe.tasks.build import build_metrics, build_objective, check_objective
-    from dlpipe.training import rng
-
-    objective = build_objective(cfg)
-    state, training = rng.capture(), model.training
-    model.eval()  # no dropout: the check draws no random numbers the run would then miss
-    try:
-        prediction = check_objective(cfg, objective, model, train_set, collate_fn)
-    finally:
-        model.train(training)
-        rng.restore(state)  # fetching the items may have augmented them: the run's streams stay as they were
-    return objective, build_metrics(cfg, objective, prediction)
 
 
 def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int):

@@ -58,3 +58,22 @@ def config_changes(saved: dict[str, str], current: dict[str, str]) -> list[str]:
     return sorted(
         k for k in keys if saved.get(k) != current.get(k) and not k.startswith(_EXPECTED_TO_CHANGE)
     )
+
+
+def init_weights(model, source: str) -> Path:
+    """Load the model weights of `source` (a checkpoint file, or a checkpoints/ folder: its best.pt,
+    else its newest epoch) into `model`; only the weights: optimizer and schedule start fresh.
+    Returns the file used. A checkpoint that does not fit the model names the parameter."""
+    from dlpipe.training.checkpoint import load
+
+    path = Path(source)
+    if path.is_dir():
+        store = CheckpointStore(path)
+        path = store.best_path if store.best_path.is_file() else next(iter(store.candidates()), None)
+        if path is None:
+            raise ConfigError([f"checkpoint.init_from={source}: the folder holds no best.pt or epoch-N.pt"])
+    state = load(path)
+    check_model_fits(model, state["model"], path)
+    model.load_state_dict(state["model"])
+    log.info("model weights from %s (epoch %s)", path, state.get("epoch", "?"))
+    return path

@@ -1,0 +1,55 @@
+"""`dlpipe eval ...overrides checkpoint.init_from=PATH`: score saved weights on the job's validation
+split (or, with trainer.val_fraction=0, on the whole dataset: point `dataset` at a test set) with
+the job's loss and metrics, and record it as an MLflow run.
+
+The split, its order and the metrics are the ones training used with the same config, so scoring
+a run's checkpoint reproduces that run's validation numbers for the epoch it was saved at.
+"""
+
+import logging
+
+from dlpipe import hardware
+from dlpipe.errors import ConfigError
+from dlpipe.tasks.common import JobContext, flatten, open_run, preflight, recorded_config, run_tags
+
+log = logging.getLogger("dlpipe")
+
+
+def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
+    """Score the weights; returns the loss over the scored split."""
+    import torch
+
+    from dlpipe.tasks.build import build_data_and_model, build_loaders, build_objective_and_metrics
+    from dlpipe.training.evaluate import evaluate
+    from dlpipe.training.resume import init_weights
+    from dlpipe.training.rng import seed_everything
+
+    cfg, decided = preflight(raw, resolved, "eval")
+    if not cfg.checkpoint.init_from:
+        raise ConfigError(["checkpoint.init_from=null: dlpipe eval scores saved weights; set "
+                           "checkpoint.init_from=PATH (a checkpoint file or a run's checkpoints/ folder)"])
+    seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
+    train_set, val_set, model, _ = build_data_and_model(cfg)
+    split, name = (val_set, "validation split") if val_set is not None else (train_set, "whole dataset")
+    # Scored with validation's loader (in order, every sample, no augmentation): the numbers match
+    # the training run's; the training loader built beside it is never iterated.
+    _, plan = build_loaders(cfg, train_set, split)
+    objective, metrics = build_objective_and_metrics(cfg, model, split, plan.loader.collate_fn)
+    weights = init_weights(model, cfg.checkpoint.init_from)
+    device = torch.device(cfg.trainer.device)
+    model.to(device).eval()
+    try:
+        scores = evaluate(model, plan.loader, objective, {k: m.to(device) for k, m in metrics.items()},
+                          device=device)
+    finally:
+        plan.loader.shutdown()
+    ctx.output_dir.mkdir(parents=True, exist_ok=True)
+    params = {**flatten(recorded_config(cfg)), **hardware.host_facts(),
+              **{f"auto.{k}": v for k, v in decided.items()}, "eval.samples": str(len(split))}
+    tags = run_tags(ctx, **{"dlpipe.task": "eval", "dlpipe.init_from": str(weights), "dlpipe.eval_split": name})
+    with open_run(ctx, cfg.tracking, tags) as tracked:
+        tracked.log_params(params)
+        tracked.log_metrics(scores, step=0)
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
+    print(f"eval: {shown} ({len(split)} samples of the {name}, weights {weights})", flush=True)
+    return scores.get("val_loss", float("nan"))
