@@ -113,6 +113,11 @@ def test_image_folder_option(tmp_path):
     train, val, net, _ = build_data_and_model(job)
     logits = net(next(iter(build_loaders(job, train, val)[0].loader))[0])
     assert logits.shape[-1] == 3
+    gray = validate(resolve(make("dataset=image_folder", f"dataset.root={tmp_path}", "dataset.image_size=32",
+                                 "dataset.crop_size=28", "dataset.channels=1"))[1])
+    train, val, net, _ = build_data_and_model(gray)
+    images = next(iter(build_loaders(gray, train, val)[0].loader))[0]
+    assert images.shape[1] == 1 and net(images).shape[-1] == 3  # the CNN's in_channels followed the dataset
 
 
 def test_validation_split_is_not_augmented():

@@ -316,3 +316,21 @@ def test_tabular_regression_is_seeded_float_targets_a_linear_model_mostly_explai
     assert 0.7 < 1 - residual.var() / a.targets.var() < 0.99  # linear explains most, the sine term the rest
     with pytest.raises(DataError, match="dataset.noise=-1: must be >= 0"):
         TabularRegression(noise=-1)
+
+
+def test_image_folder_grayscale_and_its_own_normalisation(tmp_path):
+    """channels=1 decodes to one channel; mean/std are per channel, in [0, 1] units."""
+    for cls in ("a", "b"):
+        (tmp_path / cls).mkdir()
+        Image.new("RGB", (40, 40), (128, 128, 128)).save(tmp_path / cls / "0.png")
+    gray = ImageFolderDataset(str(tmp_path), image_size=32, crop_size=24, augment=False, channels=1,
+                              mean=[0.5], std=[0.25])
+    image, _ = gray[0]
+    assert image.shape == (1, 24, 24)
+    assert torch.allclose(image, torch.full_like(image, (128 / 255 - 0.5) / 0.25), atol=1e-5)
+    rgb, _ = ImageFolderDataset(str(tmp_path), image_size=32, crop_size=24, augment=False)[0]
+    assert rgb.shape == (3, 24, 24)
+    with pytest.raises(DataError, match=r"dataset.channels=2: allowed: 1 \(grayscale\), 3 \(RGB\)"):
+        ImageFolderDataset(str(tmp_path), channels=2)
+    with pytest.raises(DataError, match=r"dataset.mean=\[0.5\]: needs 3 value\(s\), one per channel"):
+        ImageFolderDataset(str(tmp_path), mean=[0.5])

@@ -28,6 +28,9 @@ from dlpipe.errors import DataError, first_line
 # ImageNet statistics: the usual choice, and close enough for synthetic images that nothing depends on it.
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
+# The same statistics for grayscale images (of ImageNet converted to luminance), as commonly used.
+GRAY_MEAN, GRAY_STD = (0.449,), (0.226,)
+MODES = {1: "L", 3: "RGB"}  # channels -> Pillow mode
 
 # torchvision's RandomResizedCrop range for aspect ratios; the area range comes from the spec.
 _SCALE = (0.6, 1.0)
@@ -36,11 +39,11 @@ _LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
 DEFAULT_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
 
-def _load_rgb(source: bytes | str) -> Image.Image:
-    """Decode encoded bytes or a file path to an RGB image (forces the full decode now)."""
+def _load_rgb(source: bytes | str, mode: str = "RGB") -> Image.Image:
+    """Decode encoded bytes or a file path to an RGB (or `mode`) image (forces the full decode now)."""
     with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
         # convert() loads every pixel, so a truncated file fails here and not later in a worker.
-        return img.convert("RGB")
+        return img.convert(mode)
 
 
 def _resize_shorter(img: Image.Image, size: int) -> Image.Image:
@@ -66,8 +69,10 @@ def _random_box(w: int, h: int, rng: random.Random) -> tuple[int, int, int, int]
     return left, top, left + side, top + side
 
 
-def _to_tensor(img: Image.Image, crop_size: int, augment: bool) -> torch.Tensor:
-    """Crop (random-resized or centred) to crop_size, maybe flip, and normalise to float32 [3, c, c]."""
+def _to_tensor(img: Image.Image, crop_size: int, augment: bool, mean: Sequence[float] = MEAN,
+               std: Sequence[float] = STD) -> torch.Tensor:
+    """Crop (random-resized or centred) to crop_size, maybe flip, and normalise per channel to
+    float32 [C, c, c] (C = 3 for RGB, 1 for grayscale)."""
     w, h = img.size
     if augment:
         # One 62-bit draw from torch's RNG seeds a local RNG: per-worker seeding applies, and the
@@ -80,9 +85,11 @@ def _to_tensor(img: Image.Image, crop_size: int, augment: bool) -> torch.Tensor:
     else:
         left, top = (w - crop_size) // 2, (h - crop_size) // 2
         img = img.crop((left, top, left + crop_size, top + crop_size))
-    pixels = torch.from_numpy(np.array(img, dtype=np.float32)).permute(2, 0, 1)  # HWC -> CHW
-    mean = torch.tensor(MEAN).mul_(255.0).view(3, 1, 1)
-    std = torch.tensor(STD).mul_(255.0).view(3, 1, 1)
+    array = np.array(img, dtype=np.float32)
+    pixels = torch.from_numpy(array[:, :, None] if array.ndim == 2 else array).permute(2, 0, 1)  # HWC -> CHW
+    channels = pixels.shape[0]
+    mean = torch.tensor(mean, dtype=torch.float32).mul_(255.0).view(channels, 1, 1)
+    std = torch.tensor(std, dtype=torch.float32).mul_(255.0).view(channels, 1, 1)
     return pixels.sub_(mean).div_(std).contiguous()
 
 
@@ -91,6 +98,22 @@ def _check_sizes(image_size: int, crop_size: int) -> None:
         raise DataError(f"dataset.image_size={image_size}: must be >= 1")
     if not 1 <= crop_size <= image_size:
         raise DataError(f"dataset.crop_size={crop_size}: must be between 1 and dataset.image_size={image_size}")
+
+
+def _check_channels(channels: int, mean, std) -> tuple[int, tuple[float, ...], tuple[float, ...]]:
+    """(channels, mean, std) as plain tuples (Hydra may hand over ListConfigs, which should not travel
+    to workers), with the defaults for the channel count."""
+    if channels not in MODES:
+        raise DataError(f"dataset.channels={channels}: allowed: 1 (grayscale), 3 (RGB)")
+    defaults = (MEAN, STD) if channels == 3 else (GRAY_MEAN, GRAY_STD)
+    mean = tuple(float(v) for v in mean) if mean is not None else defaults[0]
+    std = tuple(float(v) for v in std) if std is not None else defaults[1]
+    for key, values in (("mean", mean), ("std", std)):
+        if len(values) != channels:
+            raise DataError(f"dataset.{key}={list(values)}: needs {channels} value(s), one per channel")
+    if not all(v > 0 for v in std):
+        raise DataError(f"dataset.std={list(std)}: every value must be > 0")
+    return channels, mean, std
 
 
 class SyntheticJPEGDataset(Dataset):
@@ -184,6 +207,9 @@ class ImageFolderDataset(Dataset):
         crop_size: side of the returned tensors, 1..image_size.
         augment: random resized crop plus horizontal flip when true, a centre crop when false.
         extensions: file name endings counted as images, matched case-insensitively.
+        channels: 3 decodes every image as RGB, 1 as grayscale (the model's in_channels must match).
+        mean, std: per-channel normalisation in [0, 1] units, one value per channel; None uses
+            ImageNet's statistics (their luminance values for grayscale).
     """
 
     def __init__(
@@ -193,8 +219,12 @@ class ImageFolderDataset(Dataset):
         crop_size: int = 56,
         augment: bool = True,
         extensions: Sequence[str] = DEFAULT_EXTENSIONS,
+        channels: int = 3,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
     ):
         _check_sizes(image_size, crop_size)
+        self.channels, self.mean, self.std = _check_channels(channels, mean, std)
         if isinstance(extensions, str):
             extensions = (extensions,)
         # A plain tuple of str: Hydra may hand over a ListConfig, which should not travel to workers.
@@ -258,9 +288,10 @@ class ImageFolderDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[index]
         try:
-            img = _load_rgb(path)
+            img = _load_rgb(path, MODES[self.channels])
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
             # Pillow reports truncated/corrupt files with several types; the first line is enough.
             raise DataError(f"dataset.root={self.root!r}: cannot decode image {path!r} (index {index}): "
                             f"{first_line(exc)}") from exc
-        return _to_tensor(_resize_shorter(img, self.image_size), self.crop_size, self.augment), label
+        image = _to_tensor(_resize_shorter(img, self.image_size), self.crop_size, self.augment, self.mean, self.std)
+        return image, label
