@@ -50,6 +50,21 @@ class LoaderConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    """Stop training when a metric stops improving (dlpipe.training.callbacks.EarlyStopping)."""
+
+    monitor: str | None = None
+    """The epoch metric to watch (val_loss, val_accuracy, ...); None: no early stopping."""
+    mode: str = "auto"
+    """min or max: whether lower or higher is better; auto: min for a loss, else the metric's own
+    direction (torchmetrics' higher_is_better)."""
+    patience: int = 3
+    """Epochs without improvement before training stops."""
+    min_delta: float = 0.0
+    """A change must exceed this to count as an improvement."""
+
+
+@dataclass
 class TrainerConfig:
     """The training loop."""
 
@@ -86,6 +101,10 @@ class TrainerConfig:
     between epochs: a write inside the loop would cost the step)."""
     progress: bool = True
     """Show a progress bar per epoch (a line per epoch when stderr is not a terminal)."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    """Stop when trainer.early_stopping.monitor stops improving (off while monitor is null)."""
+    compile: bool = False
+    """torch.compile the model (the first steps pay for compilation; off by default)."""
 
 
 @dataclass
@@ -216,6 +235,8 @@ class DlpipeConfig:
     stepped and is not passed on; a `total_steps` the class takes and the node leaves out is derived
     (the run's optimizer steps, or its epochs with interval=epoch)."""
     batch: BatchConfig = field(default_factory=BatchConfig)
+    callbacks: Any = None
+    """The user's callbacks, name -> `_target_` node (hooks: dlpipe/training/callbacks.py); None: none."""
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

@@ -1,6 +1,7 @@
 """Datasets that fail or stall on purpose, importable by a dlpipe subprocess (PYTHONPATH=tests)."""
 
 import os
+import signal
 import time
 
 import torch
@@ -125,3 +126,28 @@ class RankFailingDataset(Dataset):
         if os.environ.get("RANK") == str(self.fail_rank) and self.fetched > self.fail_after:
             raise RuntimeError(f"rank {self.fail_rank} cannot read sample {i}")
         return torch.randn(4), i % 2
+
+
+class SignalsItself(Dataset):
+    """Gaussian class clusters that send SIGTERM to their own process at the `at`-th item fetched,
+    once: `marker` (a file path) records that it did, so the same command run again trains on. A
+    real stop signal at a known point of a run, without timing; needs num_workers=0."""
+
+    num_classes = 3
+
+    def __init__(self, marker: str, at: int, size: int = 120, num_features: int = 4):
+        g = torch.Generator().manual_seed(0)
+        self.y = torch.arange(size) % self.num_classes
+        self.x = torch.randn(self.num_classes, num_features, generator=g)[self.y]
+        self.x += 0.5 * torch.randn(size, num_features, generator=g)
+        self.marker, self.at, self.fetched = marker, at, 0
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        self.fetched += 1
+        if self.fetched == self.at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.x[i].clone(), int(self.y[i])

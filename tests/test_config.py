@@ -13,7 +13,7 @@ from dlpipe.config.resolvers import RESOLVERS, register_resolvers
 from dlpipe.config.store import find_recipes, register_recipes, register_schemas
 from dlpipe.config.validation import validate
 from dlpipe.errors import ConfigError
-from dlpipe.tasks.build import build_data_and_model, build_loaders
+from dlpipe.tasks.build import build_data_and_model, build_loaders, build_scheduler
 
 # Small sizes so building every option stays fast; values only, nothing structural.
 SMALL = {
@@ -46,7 +46,7 @@ def test_every_conf_file_belongs_to_a_tested_option():
     for path in conf_dir().rglob("*.yaml"):
         assert path.name == "config.yaml" or path.parent.name in {
             "dataset", "model", "loader", "optim", "loss", "trainer", "tracking", "telemetry", "checkpoint", "bench",
-            "launcher",
+            "launcher", "scheduler",
         }, path
 
 
@@ -88,6 +88,49 @@ def test_loader_and_tracking_options_build(loader, tracking):
     images, labels, *_ = next(iter(train_plan.loader))  # loader=padded appends the lengths
     assert images.shape[0] == labels.shape[0] == 8
     assert train_plan.notes == [] and val_plan.notes == []  # shipped presets are consistent as they are
+
+
+# Every scheduler option (step: decaying within this short run), and a torch class of the user's own.
+SCHEDULERS = [[f"scheduler={name}", *(["scheduler.step_size=1"] if name == "step" else [])]
+              for name in group_options("scheduler")]
+SCHEDULERS += [["+scheduler._target_=torch.optim.lr_scheduler.ExponentialLR", "+scheduler.gamma=0.9"]]
+
+
+@pytest.mark.parametrize("optim", group_options("optim"))
+@pytest.mark.parametrize("scheduler", SCHEDULERS, ids=lambda args: args[0].split("=")[-1])
+def test_every_scheduler_option_builds_and_steps(scheduler, optim):
+    """Each schedule composes, validates and builds on each optimizer, its span derived from the run
+    (3 epochs x 4 optimizer steps, capped by max_steps=10), and steps through the whole run."""
+    cfg = make("dataset=tabular", "model=mlp", f"optim={optim}", "trainer.epochs=3", "trainer.max_steps=10",
+               *scheduler, *SMALL["tabular"])
+    _, resolved = resolve(cfg)
+    job = validate(resolved)
+    _, _, _, opt = build_data_and_model(job)
+    schedule = build_scheduler(job, opt, steps_per_epoch=4)
+    if scheduler == ["scheduler=none"]:
+        assert schedule is None and job.scheduler == {}
+        return
+    assert schedule.interval == resolved["scheduler"].get("interval", "epoch")
+    span = getattr(schedule.scheduler, "total_steps", None)
+    assert span in (None, 10)  # onecycle: optimizer steps, capped by max_steps
+    lrs = []
+    for step in range(1, 11):
+        opt.step()
+        schedule.after_step(opt)
+        if step % 4 == 0:
+            schedule.end_epoch(opt)
+        lrs.append(opt.param_groups[0]["lr"])
+    assert all(lr >= 0 for lr in lrs) and len(set(lrs)) > 1  # it moved, and never below 0
+
+
+def test_a_warmup_longer_than_the_run_is_said_not_refused(caplog):
+    """A quick run of a recipe with warm-up (trainer.limit_train_batches=3) is legitimately that short."""
+    cfg = make("dataset=tabular", "model=mlp", "scheduler=cosine", "scheduler.warmup_steps=20", *SMALL["tabular"])
+    job = validate(resolve(cfg)[1])
+    with caplog.at_level("WARNING", logger="dlpipe"):
+        schedule = build_scheduler(job, build_data_and_model(job)[3], steps_per_epoch=3)
+    assert schedule is not None
+    assert "scheduler.warmup_steps=20: the schedule spans only 9 optimizer steps in this run" in caplog.text
 
 
 @pytest.mark.parametrize("task", ["train", "bench", "tune", "eval"])

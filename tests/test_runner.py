@@ -315,7 +315,8 @@ def test_grad_clip_bounds_the_gradient_norm_the_optimizer_sees():
 
 
 def test_metric_sink_gets_epoch_metrics_and_train_loss_step_every_log_every_steps():
-    """The sink gets each epoch's metrics (step=epoch) and train_loss_step at steps log_every, 2*log_every, ..."""
+    """The sink gets each epoch's metrics (step=epoch) and train_loss_step, lr and grad_norm at steps
+    log_every, 2*log_every, ..."""
     train, val = make_dataset(24), make_dataset(10, seed=1)
     model = make_model()
     sink = RecordingSink()
@@ -327,7 +328,7 @@ def test_metric_sink_gets_epoch_metrics_and_train_loss_step_every_log_every_step
     epoch_calls = [(m, s) for m, s in sink.calls if "train_loss_step" not in m]
     assert [s for _, s in step_calls] == [2, 4, 6, 8, 10, 12]
     assert [s for _, s in epoch_calls] == [1, 2]
-    assert all(set(m) == {"train_loss_step"} for m, _ in step_calls)
+    assert all(set(m) == {"train_loss_step", "lr", "grad_norm"} for m, _ in step_calls)
     # one flush per epoch, right after that epoch's metrics: never inside a training step
     epoch_positions = [i + 1 for i, (m, _) in enumerate(sink.calls) if "train_loss_step" not in m]
     assert sink.flushes == epoch_positions
@@ -339,8 +340,14 @@ def test_metric_sink_gets_epoch_metrics_and_train_loss_step_every_log_every_step
         val_logits = model(vx)
     for i, (m, _) in enumerate(step_calls[:3]):  # epoch 1: samples 8i..8i+7 since the previous log
         assert m["train_loss_step"] == pytest.approx(per_sample[8 * i : 8 * i + 8].mean().item(), rel=1e-5)
+        # the logged step's own gradient (batch 2i+1: samples 8i+4..8i+7), measured without clipping
+        model.zero_grad()
+        F.cross_entropy(model(x[8 * i + 4 : 8 * i + 8]), y[8 * i + 4 : 8 * i + 8]).backward()
+        norm = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        assert m["grad_norm"] == pytest.approx(norm.item(), rel=1e-5) and m["lr"] == 0.0
 
-    required = {"epoch_time_s", "samples_per_s", "data_wait_frac", "train_loss", "val_loss", "val_accuracy"}
+    required = {"epoch_time_s", "samples_per_s", "data_wait_frac", "train_loss", "val_loss", "val_accuracy",
+                "epoch_lr"}
     for m, _ in epoch_calls:
         assert required <= set(m)
         assert "epoch" not in m

@@ -142,3 +142,50 @@ def test_eval_needs_weights_that_exist(tmp_path, dlpipe):
         errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error:")]
         assert r.returncode == 2 and len(errors) == 1 and expected in errors[0], r.stderr
         assert not (tmp_path / "out").exists()
+
+
+def test_early_stopping_ends_a_run_whose_metric_stops_improving(dlpipe, mlflow_store, mlflow_client):
+    r = dlpipe("+recipe=tabular", "dataset.size=512", "optim.lr=1e-9", "trainer.epochs=10", *QUIET,
+               "trainer.early_stopping.monitor=val_loss", "trainer.early_stopping.patience=2",
+               "trainer.early_stopping.min_delta=0.001", f"tracking.uri={mlflow_store}", "tracking.experiment=early")
+    assert r.returncode == 0, r.stderr
+    [run] = runs_of(mlflow_client, "early")
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["dlpipe.stopped_early"].startswith("early stopping: val_loss did not improve by more than "
+                                                            "0.001 for 2 epochs")
+    assert len(mlflow_client.get_metric_history(run.info.run_id, "val_loss")) == 3  # best, then 2 without gain
+    assert "training ended early: early stopping: val_loss" in r.stdout  # the log (Hydra logs to stdout)
+
+
+def test_a_user_callback_sees_every_hook_and_may_stop_training(tmp_path, dlpipe, mlflow_store, mlflow_client):
+    record = tmp_path / "hooks.txt"
+    r = dlpipe("+recipe=tabular", "dataset.size=1024", "loader.batch_size=64", "trainer.epochs=3", *QUIET,
+               "+callbacks.stopper._target_=user_task.StopAfterSteps", "+callbacks.stopper.steps=20",
+               f"+callbacks.stopper.record={record}", f"tracking.uri={mlflow_store}", "tracking.experiment=hooks")
+    assert r.returncode == 0, r.stderr
+    [run] = runs_of(mlflow_client, "hooks")
+    # 921 training samples in batches of 64: 15 steps an epoch, so step 20 is in epoch 2
+    assert run.info.status == "FINISHED" and run.data.tags["dlpipe.optimizer_steps"] == "20"
+    assert run.data.tags["dlpipe.stopped_early"] == "StopAfterSteps: 20 steps"
+    assert record.read_text().splitlines() == ["train_start", "epoch_end 1 ['cpu_main_pct']",
+                                               "epoch_end 2 ['cpu_main_pct']", "train_end 2"]
+
+
+def test_a_failing_callback_fails_the_run_with_its_message(dlpipe, mlflow_store, mlflow_client):
+    r = dlpipe("+recipe=tabular", "dataset.size=256", "trainer.epochs=2", *QUIET,
+               "+callbacks.crash._target_=user_task.Crashes", f"tracking.uri={mlflow_store}",
+               "tracking.experiment=crash")
+    expected = "callbacks.crash.on_epoch_end: KeyError: 'val_f1'"
+    assert r.returncode == 2 and f"dlpipe: error: {expected}" in r.stderr and "Traceback" not in r.stderr
+    [run] = runs_of(mlflow_client, "crash")
+    assert run.info.status == "FAILED" and expected in run.data.tags["dlpipe.end_reason"]
+
+
+def test_compiled_training_runs_and_matches_the_tags(dlpipe, mlflow_store, mlflow_client):
+    """trainer.compile=true goes through torch.compile (CPU inductor here) and trains."""
+    r = dlpipe("+recipe=tabular", "dataset.size=256", "trainer.epochs=1", "trainer.compile=true", *QUIET,
+               f"tracking.uri={mlflow_store}", "tracking.experiment=compiled", timeout=400)
+    assert r.returncode == 0, r.stderr
+    [run] = runs_of(mlflow_client, "compiled")
+    assert run.info.status == "FINISHED" and run.data.params["trainer.compile"] == "True"
+    assert run.data.metrics["train_loss"] > 0

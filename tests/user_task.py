@@ -43,3 +43,35 @@ class SelfLossClassifier(nn.Module):
         if labels is not None:
             out["loss"] = nn.functional.cross_entropy(logits, labels)
         return out
+
+
+class StopAfterSteps:
+    """A user callback (no base class needed): stops training after `steps` optimizer steps and
+    writes what it saw to `record` (a file path), one line per hook call."""
+
+    def __init__(self, steps: int, record: str):
+        self.steps, self.record = steps, record
+
+    def _write(self, line: str) -> None:
+        with open(self.record, "a") as f:
+            f.write(line + "\n")
+
+    def on_train_start(self, trainer) -> None:
+        self._write("train_start")
+
+    def on_step_end(self, trainer, step: int) -> None:
+        if step == self.steps:
+            trainer.request_stop(f"StopAfterSteps: {step} steps")
+
+    def on_epoch_end(self, trainer, epoch: int, metrics: dict) -> None:
+        self._write(f"epoch_end {epoch} {sorted(metrics)[:1]}")
+
+    def on_train_end(self, trainer, history: list) -> None:
+        self._write(f"train_end {len(history)}")
+
+
+class Crashes:
+    """A user callback with a bug."""
+
+    def on_epoch_end(self, trainer, epoch: int, metrics: dict) -> None:
+        raise KeyError("val_f1")

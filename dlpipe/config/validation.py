@@ -1,13 +1,17 @@
 """Range and cross-field checks on the resolved config; every problem is collected into one error."""
 
+import dataclasses
 import difflib
 import importlib
 import inspect
 import os
 import re
+import typing
 
 from dlpipe.errors import ConfigError, first_line
 from dlpipe.schema import (
+    SCHEDULER_DEFAULT_INTERVAL,
+    SCHEDULER_INTERVALS,
     BatchConfig,
     BenchConfig,
     CheckpointConfig,
@@ -68,6 +72,13 @@ def _check_trainer(c: TrainerConfig) -> list[str]:
         p.append(f"trainer.log_every={c.log_every}: must be >= 1")
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", c.device):
         p.append(f"trainer.device={c.device}: allowed: cpu, cuda, cuda:N, mps")
+    stop = c.early_stopping
+    if stop.mode not in ("auto", "min", "max"):
+        p.append(f"trainer.early_stopping.mode={stop.mode}: allowed: auto, min, max")
+    if stop.patience < 1:
+        p.append(f"trainer.early_stopping.patience={stop.patience}: must be >= 1 (epochs without improvement)")
+    if stop.min_delta < 0:
+        p.append(f"trainer.early_stopping.min_delta={stop.min_delta}: must be >= 0")
     if c.amp == "fp16" and not c.device.startswith("cuda"):
         p.append(f"trainer.amp=fp16 with trainer.device={c.device}: fp16 needs CUDA; use bf16 or off")
     return p
@@ -180,17 +191,22 @@ def _check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
 
 def _check_metrics(metrics) -> list[str]:
     """metrics: null (defaults for the loss) or name -> `_target_` node, each importable."""
-    if metrics is None:
+    return _check_named_targets("metrics", metrics, "torchmetrics.MeanAbsoluteError")
+
+
+def _check_named_targets(group: str, nodes, example: str = "mypkg.module.Class") -> list[str]:
+    """null, or name -> `_target_` node (metrics, callbacks), each importable with the keys given."""
+    if nodes is None:
         return []
-    if not isinstance(metrics, dict):
-        return [f"metrics={metrics}: must be a mapping of name -> {{_target_: ...}} (or null for the loss's defaults)"]
+    if not isinstance(nodes, dict):
+        return [f"{group}={nodes}: must be a mapping of name -> {{_target_: ...}} (or null)"]
     problems = []
-    for name, node in metrics.items():
+    for name, node in nodes.items():
         if not isinstance(node, dict):
-            problems.append(f"metrics.{name}={node}: must be a node with a _target_, e.g. "
-                            f"+metrics.{name}._target_=torchmetrics.MeanAbsoluteError")
+            problems.append(f"{group}.{name}={node}: must be a node with a _target_, e.g. "
+                            f"+{group}.{name}._target_={example}")
         else:
-            problems += _check_target(f"metrics.{name}", node)
+            problems += _check_target(f"{group}.{name}", node)
     return problems
 
 
@@ -217,6 +233,43 @@ def _check_bench(c: BenchConfig) -> list[str]:
     return p
 
 
+def _check_scheduler(node) -> list[str]:
+    """scheduler: {} or null (scheduler=none), or a `_target_` node built with the optimizer as its
+    first argument, plus dlpipe's own `interval`, which is removed before the class is checked."""
+    if not node:
+        return []
+    if not isinstance(node, dict):
+        return [f"scheduler={node}: must be a node with a _target_ (scheduler=cosine, linear, onecycle, step) "
+                "or scheduler=none"]
+    p = []
+    interval = node.get("interval", SCHEDULER_DEFAULT_INTERVAL)
+    if interval not in SCHEDULER_INTERVALS:
+        p.append(f"scheduler.interval={interval}: allowed: step (after every optimizer step), epoch (after every "
+                 "epoch)")
+    warmup = node.get("warmup_steps")
+    if isinstance(warmup, (int, float)) and warmup < 0:
+        p.append(f"scheduler.warmup_steps={warmup}: must be >= 0 (steps of linear warm-up; 0 for none)")
+    ratio = node.get("min_lr_ratio")
+    if isinstance(ratio, (int, float)) and not 0 <= ratio <= 1:
+        p.append(f"scheduler.min_lr_ratio={ratio}: must be in [0, 1] (the last step's lr as a share of optim.lr)")
+    # the optimizer comes first, as optim's params do: skip it in the 'allowed' listing
+    target = _check_target("scheduler", {k: v for k, v in node.items() if k != "interval"}, extra_args=1)
+    if not target and _steps_on_a_metric(node["_target_"]):
+        target = [f"scheduler._target_={node['_target_']}: it steps on a validation metric (step(metrics)), which "
+                  "dlpipe does not pass; use a schedule of the step count: scheduler=cosine, linear, onecycle, step "
+                  "or another torch.optim.lr_scheduler class"]
+    return p + target
+
+
+def _steps_on_a_metric(target: str) -> bool:
+    """ReduceLROnPlateau and its kind: their step() wants the monitored value."""
+    try:
+        step = getattr(locate(target), "step", None)
+        return step is not None and "metrics" in inspect.signature(step).parameters
+    except (ImportError, TypeError, ValueError):
+        return False
+
+
 _SECTIONS = {"loader": (LoaderConfig, _check_loader), "trainer": (TrainerConfig, _check_trainer),
              "tracking": (TrackingConfig, _check_tracking), "telemetry": (TelemetryConfig, _check_telemetry),
              "checkpoint": (CheckpointConfig, _check_checkpoint), "bench": (BenchConfig, _check_bench),
@@ -224,15 +277,26 @@ _SECTIONS = {"loader": (LoaderConfig, _check_loader), "trainer": (TrainerConfig,
 
 
 def _unknown_keys(section: str, schema, node: dict) -> list[str]:
-    """Keys a `+key=value` override added to a typed section (Hydra lets `+` bypass the schema)."""
+    """Keys a `+key=value` override added to a typed section (Hydra lets `+` bypass the schema),
+    in nested sections too (trainer.early_stopping)."""
     allowed = list(schema.__dataclass_fields__)
+    nested = typing.get_type_hints(schema)
     problems = []
-    for key in node:
+    for key, value in node.items():
         if key not in allowed:
             guess = difflib.get_close_matches(key, allowed, n=1)
             hint = f"did you mean {section}.{guess[0]}? " if guess else ""
             problems.append(f"{section}.{key}: no such key; {hint}allowed: {', '.join(sorted(allowed))}")
+        elif dataclasses.is_dataclass(nested.get(key)) and isinstance(value, dict):
+            problems += _unknown_keys(f"{section}.{key}", nested[key], value)
     return problems
+
+
+def _typed(schema, node: dict):
+    """A schema object from a plain dict, its nested sections included."""
+    nested = typing.get_type_hints(schema)
+    return schema(**{k: _typed(nested[k], v) if dataclasses.is_dataclass(nested.get(k)) and isinstance(v, dict)
+                     else v for k, v in node.items()})
 
 
 def validate(resolved: dict) -> DlpipeConfig:
@@ -246,7 +310,7 @@ def validate(resolved: dict) -> DlpipeConfig:
         if unknown:
             problems += unknown
             continue
-        sections[section] = schema(**resolved[section])
+        sections[section] = _typed(schema, resolved[section])
         problems += check(sections[section])
     problems += _check_target("dataset", resolved["dataset"])
     problems += _check_target("model", resolved["model"])
@@ -257,8 +321,11 @@ def validate(resolved: dict) -> DlpipeConfig:
         problems.append(f"optim.lr={optim['lr']}: must be > 0")
     problems += _check_target("loss", resolved["loss"])
     problems += _check_metrics(resolved.get("metrics"))
+    problems += _check_named_targets("callbacks", resolved.get("callbacks"))
+    problems += _check_scheduler(resolved.get("scheduler"))
     if problems:
         raise ConfigError(problems)
     return DlpipeConfig(dataset=resolved["dataset"], model=resolved["model"], optim=resolved["optim"],
-                        loss=resolved["loss"], metrics=resolved.get("metrics"),
+                        loss=resolved["loss"], metrics=resolved.get("metrics"), callbacks=resolved.get("callbacks"),
+                        scheduler=resolved.get("scheduler"),
                         task=resolved.get("task", "train"), **sections)

@@ -227,20 +227,81 @@ def build_metrics(cfg: DlpipeConfig, objective, prediction) -> dict:
 
 
 def monitor_mode(cfg: DlpipeConfig, metrics: dict, validates: bool) -> str:
-    """checkpoint.mode for checkpoint.monitor: `auto` takes the direction from the metric (a loss
-    is minimised, a torchmetrics metric says `higher_is_better`); the monitor must be logged."""
-    monitor, mode = cfg.checkpoint.monitor, cfg.checkpoint.mode
+    """checkpoint.mode for checkpoint.monitor (see metric_direction)."""
+    return metric_direction("checkpoint", cfg.checkpoint.monitor, cfg.checkpoint.mode, metrics, validates)
+
+
+def metric_direction(section: str, monitor: str | None, mode: str, metrics: dict, validates: bool) -> str:
+    """min or max for a monitored metric: `auto` takes the direction from the metric (a loss is
+    minimised, a torchmetrics metric says `higher_is_better`). A validation metric must be one this
+    run logs; `section` names the setting in errors (checkpoint, trainer.early_stopping)."""
     logged = ["val_loss", *(f"val_{name}" for name in metrics)]
     if monitor is not None and validates and monitor.startswith("val_") and monitor not in logged:
-        raise ConfigError([f"checkpoint.monitor={monitor}: this run logs no such validation metric; "
+        raise ConfigError([f"{section}.monitor={monitor}: this run logs no such validation metric; "
                            f"allowed: {', '.join(logged)} (or any epoch metric, e.g. train_loss)"])
     if mode != "auto" or monitor is None:
         return mode if mode != "auto" else "min"
     if monitor.endswith("loss"):
         return "min"
-    metric = metrics.get(monitor.removeprefix("val_"))
-    higher = getattr(metric, "higher_is_better", None)
+    higher = getattr(metrics.get(monitor.removeprefix("val_")), "higher_is_better", None)
     if higher is None:
-        raise ConfigError([f"checkpoint.monitor={monitor} with checkpoint.mode=auto: its direction is unknown; "
-                           "set checkpoint.mode=min or checkpoint.mode=max"])
+        raise ConfigError([f"{section}.monitor={monitor} with {section}.mode=auto: its direction is unknown; "
+                           f"set {section}.mode=min or {section}.mode=max"])
     return "max" if higher else "min"
+
+
+def build_callbacks(cfg: DlpipeConfig, metrics: dict, validates: bool):
+    """The user's callbacks (cfg.callbacks, in order) and, with trainer.early_stopping.monitor set,
+    early stopping after them."""
+    from dlpipe.training.callbacks import Callbacks, EarlyStopping
+
+    callbacks = {name: _instantiate(f"callbacks.{name}", node) for name, node in (cfg.callbacks or {}).items()}
+    stop = cfg.trainer.early_stopping
+    if stop.monitor is not None:
+        if stop.monitor.startswith("val_") and not validates:
+            raise ConfigError([f"trainer.early_stopping.monitor={stop.monitor}: this run does not validate "
+                               "(trainer.val_fraction=0 or trainer.limit_val_batches=0); monitor train_loss or "
+                               "validate"])
+        mode = metric_direction("trainer.early_stopping", stop.monitor, stop.mode, metrics, validates)
+        callbacks["early_stopping"] = EarlyStopping(stop.monitor, mode, stop.patience, stop.min_delta)
+    return Callbacks(callbacks)
+
+
+def build_scheduler(cfg: DlpipeConfig, optimizer, steps_per_epoch: int | None):
+    """The learning-rate schedule (dlpipe.training.schedule.Schedule), or None for scheduler=none.
+
+    The optimizer is the class's first argument, `optimizer`, passed here (as optim gets `params`).
+    A `total_steps` the class takes and the config leaves out is derived, never a key to compute:
+    the run's optimizer steps (epochs x `steps_per_epoch`, capped by trainer.max_steps) with
+    interval=step, its epochs with interval=epoch."""
+    import inspect
+    import logging
+
+    from hydra.utils import get_object
+
+    from dlpipe.schema import SCHEDULER_DEFAULT_INTERVAL
+    from dlpipe.training.schedule import Schedule, schedule_length
+
+    if not cfg.scheduler:
+        return None
+    node = dict(cfg.scheduler)
+    interval = node.pop("interval", SCHEDULER_DEFAULT_INTERVAL)  # dlpipe's key, not the class's
+    span = schedule_length(cfg.trainer, steps_per_epoch, interval)
+    unit = "optimizer steps" if interval == "step" else "epochs"
+    extra = {}
+    try:
+        takes = inspect.signature(get_object(node["_target_"])).parameters  # validation imported it already
+    except (TypeError, ValueError):
+        takes = {}  # no signature to read: the class gets what the config gives
+    if "total_steps" in takes and node.get("total_steps") is None and node.get("epochs") is None:
+        if span is None:
+            raise ConfigError([f"scheduler._target_={node['_target_']}: its total_steps cannot be derived, the "
+                               "training loader has no length; set trainer.max_steps (or scheduler.total_steps)"])
+        extra["total_steps"] = span
+    warmup = node.get("warmup_steps") or 0
+    if span is not None and warmup >= span:
+        # Not refused: a quick run of a recipe (trainer.limit_train_batches=3) is legitimately this short.
+        logging.getLogger("dlpipe").warning(
+            "scheduler.warmup_steps=%s: the schedule spans only %d %s in this run (interval=%s), so the lr never "
+            "reaches optim.lr; warm up over fewer", warmup, span, unit, interval)
+    return Schedule(_instantiate("scheduler", node, optimizer=optimizer, **extra), interval)

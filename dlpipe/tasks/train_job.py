@@ -126,6 +126,7 @@ class TrainJob:
 
         from dlpipe.loader.faults import explain_loader_failure
         from dlpipe.training import distributed
+        from dlpipe.training.net import compile_failure
 
         try:
             yield
@@ -140,6 +141,9 @@ class TrainJob:
             if self.ranks.distributed and distributed.lost_peer(e):
                 raise DlpipeError(f"another rank left the job mid-step ({first_line(e)[:200]}); its own error, "
                                   "printed by that rank, is the cause") from e
+            compiled = compile_failure(e) if self.cfg.trainer.compile else None
+            if compiled:
+                raise DlpipeError(compiled) from e
             why = explain_loader_failure(e, self.cfg.loader)
             if why is None:
                 raise
@@ -174,6 +178,9 @@ class TrainJob:
         verdict = self.judge(run_metrics(history))
         tags = {"dlpipe.gpu_metrics": self.sampler.gpu_status, "dlpipe.optimizer_steps": str(self.trainer.step),
                 "dlpipe.verdict": verdict.kind, "dlpipe.verdict_detail": verdict.line()}
+        if self.trainer.stopped_early:
+            log.info("training ended early: %s", self.trainer.stopped_early)
+            tags["dlpipe.stopped_early"] = self.trainer.stopped_early
         leak = worker_leak(history, self.loader.persistent_workers)
         if leak:
             log.warning(leak)
@@ -187,7 +194,15 @@ class TrainJob:
 
 def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks) -> TrainJob:
     """Data, model, loaders, trainer, telemetry and checkpoint store, and the run's params and tags."""
-    from dlpipe.tasks.build import build_data_and_model, build_loaders, build_objective_and_metrics, monitor_mode
+    from dlpipe.tasks.build import (
+        build_callbacks,
+        build_data_and_model,
+        build_loaders,
+        build_objective_and_metrics,
+        build_scheduler,
+        monitor_mode,
+    )
+    from dlpipe.training.accumulation import epoch_batches, optimizer_steps
     from dlpipe.training.checkpoint import CheckpointStore
     from dlpipe.training.rng import seed_everything
 
@@ -196,12 +211,17 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     train_set, val_set, model, optimizer = build_data_and_model(cfg)
     fit_loader(raw, cfg, train_set, decided, ranks.world)
     train_plan, val_plan = build_loaders(cfg, train_set, val_set, ranks.rank, ranks.world)
+    batches = epoch_batches(train_plan.loader, cfg.trainer.limit_train_batches)
+    schedule = build_scheduler(cfg, optimizer, optimizer_steps(batches, cfg.trainer.accumulate))
     budget = hardware.cpu_budget()
     if ranks.is_main:
         warn_about_loaders(cfg, train_set, (train_plan, val_plan), budget.budget)
     objective, val_metrics = build_objective_and_metrics(cfg, model, train_set, train_plan.loader.collate_fn)
     validates = val_plan is not None and cfg.trainer.limit_val_batches != 0
     mode = monitor_mode(cfg, val_metrics, validates)
+    callbacks = build_callbacks(cfg, val_metrics, validates)  # user code runs here: before anything is written
+    trainer, sampler, profiler, allocations = build_trainer(ctx, cfg, ranks, model, optimizer, budget.budget,
+                                                            schedule)  # (torch.compile may refuse here)
     shown = recorded_config(cfg)  # what is recorded anywhere; `cfg` itself builds the job
     resolved_yaml = yaml.safe_dump(shown, sort_keys=False)
     if ranks.is_main:
@@ -211,16 +231,17 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     ck = cfg.checkpoint
     folder = Path(ck.dir) if ck.dir else ctx.output_dir / "checkpoints"
     store = CheckpointStore(folder, ck.keep_last, ck.monitor, mode)
-    trainer, sampler, profiler, allocations = build_trainer(ctx, cfg, ranks, model, optimizer, budget.budget)
     trainer.objective, trainer.val_metrics = objective, {k: m.to(trainer.device) for k, m in val_metrics.items()}
+    trainer.callbacks = callbacks
     params = {**config_flat, **hardware.host_facts(cpu=budget), **{f"auto.{k}": v for k, v in decided.items()},
               **job_params(cfg, ranks, train_plan, model)}
     return TrainJob(ctx, cfg, ranks, train_plan, val_plan, trainer, store, sampler, profiler, allocations,
                     params, run_tags(ctx), resolved_yaml, config_flat, budget.budget)
 
 
-def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int):
-    """The Trainer with its telemetry: (trainer, sampler, profiler, allocation snapshot)."""
+def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int, schedule=None):
+    """The Trainer with its telemetry and `schedule` (tasks.build.build_scheduler): (trainer, sampler,
+    profiler, allocation snapshot)."""
     import torch
 
     from dlpipe.telemetry.profiling import AllocationSnapshot, StepProfiler
@@ -240,7 +261,7 @@ def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, c
     allocations = AllocationSnapshot(profile_dir, telemetry.tracemalloc and ranks.is_main)
     peers = distributed.Collectives(ranks, torch.device(settings.device)) if ranks.distributed else None
     trainer = Trainer(model, optimizer, settings, sampler=sampler, profiler=profiler if profiler.enabled else None,
-                      peers=peers, cuda_sync_every=telemetry.cuda_sync_every)
+                      peers=peers, cuda_sync_every=telemetry.cuda_sync_every, schedule=schedule)
     return trainer, sampler, profiler, allocations
 
 

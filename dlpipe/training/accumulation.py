@@ -1,7 +1,23 @@
 """Gradient accumulation: the micro-batches of one optimizer step (a window), and the scaling that
 makes their summed gradients the mean over the window's samples, however many it got."""
 
+import math
+
 import torch
+
+
+def epoch_batches(loader, limit_train_batches: int) -> int | None:
+    """Micro-batches a training epoch takes: the loader's length (None without one), capped by
+    trainer.limit_train_batches."""
+    total = len(loader) if hasattr(loader, "__len__") else None
+    if limit_train_batches > 0:
+        total = min(total, limit_train_batches) if total is not None else limit_train_batches
+    return total
+
+
+def optimizer_steps(batches: int | None, accumulate: int) -> int | None:
+    """Optimizer steps an epoch of `batches` micro-batches takes: its last, partial window steps too."""
+    return None if batches is None else math.ceil(batches / accumulate)
 
 
 class Window:

@@ -16,17 +16,20 @@ from dlpipe.schema import TrainerConfig
 from dlpipe.stop import StopRequest, StopTraining
 from dlpipe.telemetry.sampler import EpochClock, ResourceSampler
 from dlpipe.training import rng
-from dlpipe.training.accumulation import Window
+from dlpipe.training.accumulation import Window, epoch_batches
 
 # Also importable from here: tests and benchmarks drive the loop with these names.
 from dlpipe.training.batches import non_blocking_copies, to_device, workers_died
+from dlpipe.training.callbacks import Callbacks
 from dlpipe.training.evaluate import evaluate
+from dlpipe.training.net import autocast_for, training_net
 from dlpipe.training.objective import Objective
 from dlpipe.training.protocols import MetricSink, NoMetrics, Peers
+from dlpipe.training.schedule import Schedule, current_lrs, lr_metrics, restore
+from dlpipe.training.step_log import StepLog, gradient_norm
 
 log = logging.getLogger(__name__)
 
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _END = object()  # _next_batch: no more batches this epoch
 
 
@@ -48,9 +51,13 @@ class Trainer:
         cuda_sync_every: int = 25,
         objective: Objective | None = None,
         val_metrics: dict | None = None,
+        schedule: Schedule | None = None,
+        callbacks: Callbacks | None = None,
     ):
         """`on_epoch` sees each epoch's metrics after they are logged (the job prints the verdict
-        there); `profiler` gets .step() after every micro-batch (dlpipe.telemetry.profiling.StepProfiler).
+        there); `profiler` gets .step() after every micro-batch (dlpipe.telemetry.profiling.StepProfiler);
+        `schedule` moves the optimizer's lr after every optimizer step or epoch; `callbacks` are
+        called at the hooks of dlpipe.training.callbacks and may request_stop().
 
         With `peers` (a data-parallel job, process group started), the model is wrapped in
         DistributedDataParallel, the loaders must give each rank its share, and every logged
@@ -61,20 +68,15 @@ class Trainer:
         self.peers = peers
         # `net` runs the training forward pass; `model` stays the bare module, so checkpoints
         # have the same keys with or without DDP.
-        self.net = self.model
-        if peers is not None:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # Broadcasts rank 0's parameters: every rank starts from the same weights.
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.net = DistributedDataParallel(self.model, device_ids=device_ids)
+        self.net = training_net(self.model, self.device, peers is not None, settings.compile)
         self.optimizer = optimizer
+        self.schedule = schedule
         self.metrics = metrics or NoMetrics()
         self.sampler = sampler
         self.on_epoch = on_epoch
         self.profiler = profiler
         self.empty_cache = empty_cache or torch.cuda.empty_cache
-        self.amp_dtype = AMP_DTYPES.get(settings.amp)
+        self._autocast = autocast_for(self.device, settings.amp)
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=settings.amp == "fp16")
         self.step = 0  # optimizer steps taken
@@ -85,14 +87,14 @@ class Trainer:
         self.val_metrics = {k: m.to(self.device) for k, m in (val_metrics or {}).items()}
         self._epoch_start_generator = None
         self._resume: tuple[int, dict] | None = None
-        self._log_loss = torch.zeros((), device=self.device)  # loss since the last train_loss_step
-        self._log_samples = 0
+        self.step_log = StepLog(settings.log_every, self.device)  # train_loss_step, lr, grad_norm
         self.history: list[dict[str, float]] = []
+        self.callbacks = callbacks or Callbacks()
+        self.stopped_early: str | None = None  # why a callback ended training (the run still FINISHES)
 
-    def _autocast(self):
-        if self.amp_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+    def request_stop(self, reason: str) -> None:
+        """End training at the next optimizer step; the epoch is still scored, logged and saved."""
+        self.stopped_early = self.stopped_early or reason
 
     def state_dict(self, loader_generator: torch.Generator | None = None) -> dict:
         """Everything needed to continue exactly where training stopped, as plain containers and
@@ -107,6 +109,7 @@ class Trainer:
             "epoch": len(self.history),  # finished epochs
             "batches_done": self.stop.at_batch or 0,  # of the next epoch; always at an optimizer step
             "history": [dict(r) for r in self.history],
+            "scheduler": self.schedule.state_dict() if self.schedule is not None else None,
             "rng": rng.capture(),
             # The shuffling order and worker seeds of an epoch come from this generator: after a
             # stop, its state from the start of the interrupted epoch, so resuming replays it.
@@ -123,6 +126,7 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         self.history = [dict(r) for r in state["history"]]
+        restore(self.schedule, state.get("scheduler"))  # checkpoints from before schedules have none
         rng.restore(state["rng"])
         if loader_generator is not None and state["loader_generator"] is not None:
             loader_generator.set_state(state["loader_generator"])
@@ -134,6 +138,7 @@ class Trainer:
     def fit(self, train_loader, val_loader=None) -> list[dict[str, float]]:
         """Run every epoch after those already in `history` (or until max_steps); return all epochs' metrics."""
         s = self.settings
+        self.callbacks.call("on_train_start", self)
         for epoch in range(len(self.history) + 1, s.epochs + 1):
             if self._done():  # a run resumed after it had already reached max_steps
                 break
@@ -147,15 +152,29 @@ class Trainer:
                 row.update(self.sampler.window())
             if self.peers is not None:
                 row = self.peers.epoch_row(row)
+            # The same on every rank (not averaged); an epoch schedule moves before on_epoch checkpoints.
+            lrs = self.schedule.end_epoch(self.optimizer) if self.schedule else current_lrs(self.optimizer)
+            row.update(lr_metrics(lrs, "epoch_lr"))
             self.metrics.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
             self.metrics.flush()  # between epochs: the write never interrupts a training step
             self.history.append(row)
             if self.on_epoch is not None:
                 self.on_epoch(row)
-            if self._done():
-                log.info("stopping: reached trainer.max_steps=%d", s.max_steps)
+            self.callbacks.call("on_epoch_end", self, epoch, row)
+            if self._done() or self._early_stop():
+                log.info("stopping: %s", self.stopped_early or f"reached trainer.max_steps={s.max_steps}")
                 break
+        self.callbacks.call("on_train_end", self, self.history)
         return self.history
+
+    def _early_stop(self) -> bool:
+        """Whether a callback asked to stop; with several ranks, on any of them (all stop together)."""
+        if self.peers is None or not self.callbacks:
+            return self.stopped_early is not None
+        if self.peers.any(self.stopped_early is not None):
+            self.stopped_early = self.stopped_early or "a callback on another rank asked to stop"
+            return True
+        return False
 
     def _done(self) -> bool:
         return 0 < self.settings.max_steps <= self.step
@@ -192,8 +211,7 @@ class Trainer:
                 self.scaler.scale(loss * scale).backward()
             detached = loss.detach()
             loss_sum.add_(detached, alpha=n)  # in place, one op: this runs every micro-step
-            self._log_loss.add_(detached, alpha=n)
-            self._log_samples += n
+            self.step_log.add(detached, n)
             if steps_now:
                 self._optimizer_step(window)
             if self.profiler is not None:
@@ -202,7 +220,7 @@ class Trainer:
             done += 1
             if progress.enabled:
                 progress.update(done, *clock.rates())
-            if self._done():
+            if self._done() or (steps_now and self.callbacks and self._early_stop()):
                 break
             # Not on the epoch's last batch: then the epoch finishes and the stop comes at the next one.
             if steps_now and not last and self._stop_now():
@@ -220,11 +238,7 @@ class Trainer:
     def _batches_per_epoch(self, loader) -> int | None:
         """Micro-batches to train on this epoch: the loader's length (None without one), capped
         by limit_train_batches."""
-        limit = self.settings.limit_train_batches
-        total = len(loader) if hasattr(loader, "__len__") else None
-        if limit > 0:
-            total = min(total, limit) if total is not None else limit
-        return total
+        return epoch_batches(loader, self.settings.limit_train_batches)
 
     def _start_epoch(self, loader, epoch: int) -> tuple[Iterator, int]:
         """iter(loader) for `epoch` and how many of its batches were already trained on: resuming
@@ -300,9 +314,12 @@ class Trainer:
         """Step on the window's gradients, start the next window, and do the every-N-steps work."""
         s = self.settings
         window.mean_over_samples(self.optimizer)  # before clipping: a partial window clips its mean too
-        if s.grad_clip > 0:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
+        logged = self.step_log.due(self.step + 1)
+        norm = None
+        if s.grad_clip > 0 or logged:
+            # Clip and measure the true gradients, not fp16's scaled ones (step() then skips its unscale).
+            self.scaler.unscale_(self.optimizer)
+            norm = gradient_norm(self.model, s.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -312,15 +329,12 @@ class Trainer:
             self.empty_cache()
             log.info("step %d: released cached CUDA memory (trainer.empty_cache_every=%d)",
                      self.step, s.empty_cache_every)
-        if self.step % s.log_every == 0:
-            # .item() is a CPU-GPU sync point: only once every log_every steps.
-            loss_sum, samples = self._log_loss.item(), self._log_samples
-            if self.peers is not None:
-                loss_sum, samples = self.peers.sum([loss_sum, samples])
-            mean = loss_sum / max(samples, 1)
-            self.metrics.log_metrics({"train_loss_step": mean}, step=self.step)
-            self._log_loss.zero_()
-            self._log_samples = 0
+        if logged:
+            self.step_log.record(self.step, self.optimizer, norm, self.metrics, self.peers)
+        if self.schedule is not None:
+            self.schedule.after_step(self.optimizer)  # after the log: `lr` is the one this step used
+        if self.callbacks:
+            self.callbacks.call("on_step_end", self, self.step)
         if self.device.type == "cuda" and self.cuda_sync_every and self.step % self.cuda_sync_every == 0:
             # CPU-GPU sync point, on purpose and rarely: without it the host runs ahead and
             # GPU time shows up later as "data wait" of whichever step blocks first.
