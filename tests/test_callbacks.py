@@ -48,6 +48,9 @@ def test_a_diverged_or_missing_metric_is_no_improvement():
 def test_a_resumed_run_counts_the_epochs_before_the_interruption():
     history = [{"val_loss": 1.0}, {"val_loss": 1.1}]
     assert run_epochs(EarlyStopping("val_loss", "min", patience=2), [1.2], history=history) == 3
+    trainer = FakeTrainer([{"val_loss": 1.0}, {"val_loss": 1.1}, {"val_loss": 1.2}])  # it had stopped already
+    EarlyStopping("val_loss", "min", patience=2).on_train_start(trainer)
+    assert trainer.stopped.startswith("early stopping: val_loss")
 
 
 def test_a_failing_callback_names_itself_and_its_hook():

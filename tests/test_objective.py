@@ -93,3 +93,21 @@ def test_default_metrics_follow_the_loss_and_the_monitor_knows_its_direction():
         monitor_mode(cfg(monitor="val_accuracy"), regression, validates=True)
     with pytest.raises(ConfigError, match="direction is unknown"):
         monitor_mode(cfg(monitor="samples_per_s"), regression, validates=True)
+
+
+def test_padding_only_costs_zero_and_classes_in_dim_1_are_scored_per_position():
+    logits = torch.randn(2, 3, 4)
+    assert CrossEntropy()(logits, torch.full((2, 3), -100)).item() == 0.0  # not NaN
+    objective = Objective(nn.CrossEntropyLoss())  # torch's: classes in dim 1, [B, C, d]
+    preds, target = objective.metric_inputs(torch.randn(2, 5, 7), torch.randint(0, 5, (2, 7)))
+    assert preds.shape == (14, 5) and target.shape == (14,)
+    metrics = build_metrics(cfg(), objective, torch.zeros(2, 5, 7))
+    assert metrics["accuracy"].num_classes == 5
+
+
+def test_integer_regression_targets_are_not_rounded_by_low_precision_outputs():
+    output = torch.full((3,), 1000.0, dtype=torch.bfloat16)
+    target = torch.tensor([1001, 1003, 999])
+    prediction, aligned = Objective(nn.MSELoss()).metric_inputs(output, target)
+    assert aligned.dtype == torch.float32 and aligned.tolist() == [1001.0, 1003.0, 999.0]
+    assert prediction.dtype == torch.float32

@@ -189,3 +189,40 @@ def test_compiled_training_runs_and_matches_the_tags(dlpipe, mlflow_store, mlflo
     [run] = runs_of(mlflow_client, "compiled")
     assert run.info.status == "FINISHED" and run.data.params["trainer.compile"] == "True"
     assert run.data.metrics["train_loss"] > 0
+
+
+def test_eval_of_a_whole_test_set_scores_it_without_augmentation(tmp_path, dlpipe):
+    """trainer.val_fraction=0 scores the whole dataset, as validation would: the same numbers twice,
+    although the vision dataset augments every training item at random."""
+    r = dlpipe("+recipe=smoke", *QUIET, "trainer.epochs=1", "trainer.limit_train_batches=2", "tracking=none",
+               "hydra.run.dir=first")
+    assert r.returncode == 0, r.stderr
+    lines = []
+    for out in ("a", "b"):
+        r = dlpipe("eval", "+recipe=smoke", "trainer.val_fraction=0", "dataset.size=64", "tracking=none",
+                   "checkpoint.init_from=first/checkpoints", f"hydra.run.dir={out}")
+        assert r.returncode == 0, r.stderr
+        [line] = [x for x in r.stdout.splitlines() if x.startswith("eval: ")]
+        assert "64 samples of the whole dataset" in line
+        lines.append(line.split(" (")[0])
+    assert lines[0] == lines[1]
+
+
+def test_a_lazy_modules_import_failure_is_one_line(monkeypatch):
+    """Packages like transformers import their classes on attribute access; whatever that raises is
+    reported in one line too."""
+    import sys
+    import types
+
+    from dlpipe.config.validation import _check_target
+
+    lazy = types.ModuleType("lazy_models")
+
+    def __getattr__(name):
+        raise RuntimeError(f"Failed to import lazy_models.{name} because of:\nNo module named 'tokenizers'")
+
+    lazy.__getattr__ = __getattr__
+    monkeypatch.setitem(sys.modules, "lazy_models", lazy)
+    assert _check_target("model", {"_target_": "lazy_models.Bert"}) == [
+        "model._target_=lazy_models.Bert: cannot be imported (lazy_models.Bert raised RuntimeError: Failed to "
+        "import lazy_models.Bert because of:)"]

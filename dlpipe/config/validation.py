@@ -143,6 +143,8 @@ def locate(target: str):
         except AttributeError:
             if not inspect.ismodule(obj):
                 raise ImportError(f"{'.'.join(parts[:i - 1])} has no attribute '{part}'") from None
+        except Exception as e:  # a lazy module's __getattr__ importing its real code (transformers does)
+            raise ImportError(f"{'.'.join(parts[:i])} raised {type(e).__name__}: {first_line(e)}") from None
         obj = _import(".".join(parts[:i]), parent=".".join(parts[:i - 1]))
     return obj
 
@@ -168,7 +170,7 @@ def _check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
     try:
         obj = locate(target)
     except ImportError as e:
-        return [f"{group}._target_={target}: cannot be imported ({e})"]
+        return [f"{group}._target_={target}: cannot be imported ({first_line(e)})"]
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):

@@ -215,7 +215,7 @@ def build_metrics(cfg: DlpipeConfig, objective, prediction) -> dict:
     if cfg.metrics is not None:
         return {name: _instantiate(f"metrics.{name}", node) for name, node in cfg.metrics.items()}
     if objective.kind == kinds.CLASSIFICATION:
-        classes = int(prediction.shape[-1])
+        classes = int(prediction.shape[objective.class_dim if prediction.dim() > 2 else -1])
         return {"accuracy": torchmetrics.classification.MulticlassAccuracy(
             num_classes=classes, average="micro", ignore_index=IGNORE_INDEX)}
     if objective.kind == kinds.BINARY:

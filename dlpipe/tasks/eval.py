@@ -19,8 +19,10 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     """Score the weights; returns the loss over the scored split."""
     import torch
 
-    from dlpipe.tasks.build import build_data_and_model, build_loaders, build_objective_and_metrics
+    from dlpipe.loader.faults import NamedErrors
+    from dlpipe.tasks.build import build_data_and_model, build_loaders, build_objective_and_metrics, validation_view
     from dlpipe.training.evaluate import evaluate
+    from dlpipe.training.net import autocast_for
     from dlpipe.training.resume import init_weights
     from dlpipe.training.rng import seed_everything
 
@@ -30,7 +32,10 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
                            "checkpoint.init_from=PATH (a checkpoint file or a run's checkpoints/ folder)"])
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
     train_set, val_set, model, _ = build_data_and_model(cfg)
-    split, name = (val_set, "validation split") if val_set is not None else (train_set, "whole dataset")
+    if val_set is not None:
+        split, name = val_set, "validation split"
+    else:  # a test set: all of it, without the random augmentation training applies
+        split, name = NamedErrors(validation_view(train_set.dataset)), "whole dataset"
     # Scored with validation's loader (in order, every sample, no augmentation): the numbers match
     # the training run's; the training loader built beside it is never iterated.
     _, plan = build_loaders(cfg, train_set, split)
@@ -40,7 +45,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     model.to(device).eval()
     try:
         scores = evaluate(model, plan.loader, objective, {k: m.to(device) for k, m in metrics.items()},
-                          device=device)
+                          device=device, limit_batches=cfg.trainer.limit_val_batches,
+                          autocast=autocast_for(device, cfg.trainer.amp))  # as training's validation ran
     finally:
         plan.loader.shutdown()
     ctx.output_dir.mkdir(parents=True, exist_ok=True)

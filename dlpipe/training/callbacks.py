@@ -48,6 +48,11 @@ class Callbacks:
     def __bool__(self) -> bool:
         return bool(self.callbacks)
 
+    @property
+    def per_step(self) -> bool:
+        """Whether any callback has on_step_end (else the loop need not check for a stop every step)."""
+        return bool(self._hooks["on_step_end"])
+
     def call(self, hook: str, *args) -> None:
         for name, fn in self._hooks[hook]:
             try:
@@ -82,12 +87,17 @@ class EarlyStopping(Callback):
         self.best, self.bad_epochs = None, 0
         for row in trainer.history:
             self._update(row)
+        if self.bad_epochs >= self.patience:
+            self._stop(trainer)  # it had already run out of patience: no epoch more
 
     def on_epoch_end(self, trainer, epoch: int, metrics: dict[str, float]) -> None:
         if self._update(metrics):
-            best = "none logged" if self.best is None else f"{self.best:.6g}"
-            trainer.request_stop(f"early stopping: {self.monitor} did not improve by more than {self.min_delta:g} "
-                                 f"for {self.patience} epochs (best {best})")
+            self._stop(trainer)
+
+    def _stop(self, trainer) -> None:
+        best = "none logged" if self.best is None else f"{self.best:.6g}"
+        trainer.request_stop(f"early stopping: {self.monitor} did not improve by more than {self.min_delta:g} "
+                             f"for {self.patience} epochs (best {best})")
 
     def _update(self, metrics: dict[str, float]) -> bool:
         value = float(metrics.get(self.monitor, math.nan))

@@ -23,8 +23,11 @@ class CrossEntropy(nn.Module):
         self.label_smoothing, self.ignore_index = label_smoothing, ignore_index
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
-                               ignore_index=self.ignore_index, label_smoothing=self.label_smoothing)
+        target = target.reshape(-1)
+        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target, reduction="sum",
+                                ignore_index=self.ignore_index, label_smoothing=self.label_smoothing)
+        # The mean over the targets that count; a batch of padding only is 0, not 0/0 = NaN.
+        return total / (target != self.ignore_index).sum().clamp(min=1)
 
 
 class ModelLoss:

@@ -41,6 +41,9 @@ class Objective:
     def __init__(self, loss=None, input_field: str | None = None, target_field: str | None = None):
         self.loss_fn = loss if loss is not None else CrossEntropy()
         self.kind = kind_of(self.loss_fn)
+        # Where the classes are in an output of more than 2 dims: last for dlpipe's CrossEntropy
+        # ([B, T, V]), dim 1 for torch's CrossEntropyLoss/NLLLoss ([B, C, d...]).
+        self.class_dim = -1 if isinstance(self.loss_fn, CrossEntropy) else 1
         self.input_field, self.target_field = input_field, target_field
 
     def split(self, batch) -> tuple[tuple, dict, object]:
@@ -69,7 +72,9 @@ class Objective:
         """(predictions, target) as torchmetrics takes them: token-level logits flattened, binary
         logits as probabilities, a regression head's [B, 1] matched to a [B] target."""
         prediction, target = self._aligned(predictions(output), target)
+        prediction = prediction.float()  # metric states in full precision, whatever autocast produced
         if self.kind == CLASSIFICATION and prediction.dim() > 2:
+            prediction = prediction.movedim(self.class_dim, -1)
             return prediction.reshape(-1, prediction.size(-1)), target.reshape(-1)
         if self.kind == BINARY:
             return torch.sigmoid(prediction), target.long()
@@ -87,7 +92,7 @@ class Objective:
             if prediction.dim() == target.dim() + 1 and prediction.shape[-1] == 1:
                 prediction = prediction.squeeze(-1)  # a one-output head against a [B] target
             if not target.is_floating_point():
-                target = target.to(prediction.dtype)
+                target = target.float()  # not the prediction's dtype: bf16 would round integer targets
         return prediction, target
 
     def check(self, model, batch, loss_key: str) -> torch.Tensor:

@@ -140,7 +140,7 @@ class Trainer:
         s = self.settings
         self.callbacks.call("on_train_start", self)
         for epoch in range(len(self.history) + 1, s.epochs + 1):
-            if self._done():  # a run resumed after it had already reached max_steps
+            if self._done() or self.stopped_early:  # resumed after max_steps, or after an early stop
                 break
             row = {"epoch": float(epoch)}
             row.update(self.train_epoch(train_loader, epoch))
@@ -220,7 +220,7 @@ class Trainer:
             done += 1
             if progress.enabled:
                 progress.update(done, *clock.rates())
-            if self._done() or (steps_now and self.callbacks and self._early_stop()):
+            if self._done() or (steps_now and self.callbacks.per_step and self._early_stop()):
                 break
             # Not on the epoch's last batch: then the epoch finishes and the stop comes at the next one.
             if steps_now and not last and self._stop_now():
