@@ -137,7 +137,11 @@ BAD_INPUT = [
     (["scheduler=cosine", "scheduler.warmup_steps=-1"], "scheduler.warmup_steps=-1: must be >= 0"),
     (["scheduler=step", "scheduler._target_=torch.optim.lr_scheduler.Nope"],
      "scheduler._target_=torch.optim.lr_scheduler.Nope: cannot be imported"),
-    (["+scheduler._target_=torch.optim.lr_scheduler.ReduceLROnPlateau"], "it steps on a validation metric"),
+    (["+scheduler._target_=torch.optim.lr_scheduler.ReduceLROnPlateau"],
+     "scheduler._target_=torch.optim.lr_scheduler.ReduceLROnPlateau: it steps on a metric (step(metrics)); name it "
+     "with scheduler.monitor=val_loss"),
+    (["scheduler=plateau", "scheduler.interval=step"], "scheduler.interval=step: a schedule that steps on a metric"),
+    (["scheduler=cosine", "+scheduler.monitor=val_loss"], "scheduler.monitor=val_loss: dlpipe.training.schedule"),
     (["task=nope"], "task=nope: allowed: train, bench, tune"),
     (["tracking.uri=http://127.0.0.1:9"], "tracking.uri=http://127.0.0.1:9: 127.0.0.1:9: Connection refused"),
 ]

@@ -288,3 +288,16 @@ def test_cli_cosine_run_logs_the_formula_and_a_sigterm_resume_equals_a_straight_
     # (train_loss of the interrupted epoch 2 averages only the batches trained after the resume)
     losses_a, losses_b = ([row["train_loss"] for row in final["history"]] for final in (final_a, final_b))
     assert losses_a[0] == losses_b[0] and losses_a[2] == losses_b[2]
+
+
+def test_a_plateau_schedule_halves_the_lr_when_the_monitored_metric_stalls():
+    """scheduler=plateau: ReduceLROnPlateau steps once an epoch on the metric it monitors."""
+    from dlpipe.training.schedule import Schedule
+
+    net = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=1.0)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.5, patience=1)
+    schedule = Schedule(plateau, "epoch", monitor="val_loss")
+    used = [schedule.end_epoch(optimizer, {"val_loss": v})[0] for v in (1.0, 0.9, 0.95, 0.95, 0.95)]
+    assert used == [1.0, 1.0, 1.0, 1.0, 0.5]  # 2 epochs past the best (patience 1): halved after the 4th
+    assert optimizer.param_groups[0]["lr"] == 0.5

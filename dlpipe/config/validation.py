@@ -255,12 +255,21 @@ def _check_scheduler(node) -> list[str]:
     if isinstance(ratio, (int, float)) and not 0 <= ratio <= 1:
         p.append(f"scheduler.min_lr_ratio={ratio}: must be in [0, 1] (the last step's lr as a share of optim.lr)")
     # the optimizer comes first, as optim's params do: skip it in the 'allowed' listing
-    target = _check_target("scheduler", {k: v for k, v in node.items() if k != "interval"}, extra_args=1)
-    if not target and _steps_on_a_metric(node["_target_"]):
-        target = [f"scheduler._target_={node['_target_']}: it steps on a validation metric (step(metrics)), which "
-                  "dlpipe does not pass; use a schedule of the step count: scheduler=cosine, linear, onecycle, step "
-                  "or another torch.optim.lr_scheduler class"]
-    return p + target
+    ours = ("interval", "monitor")  # dlpipe's keys, not the class's
+    target = _check_target("scheduler", {k: v for k, v in node.items() if k not in ours}, extra_args=1)
+    if target:
+        return p + target
+    monitor, on_metric = node.get("monitor"), _steps_on_a_metric(node["_target_"])
+    if on_metric and not monitor:
+        p.append(f"scheduler._target_={node['_target_']}: it steps on a metric (step(metrics)); name it with "
+                 "scheduler.monitor=val_loss (any epoch metric)")
+    elif on_metric and interval != "epoch":
+        p.append(f"scheduler.interval={interval}: a schedule that steps on a metric moves once an epoch, when the "
+                 "metric is measured; use scheduler.interval=epoch")
+    elif monitor and not on_metric:
+        p.append(f"scheduler.monitor={monitor}: {node['_target_']} steps on the step count, not on a metric; "
+                 "remove scheduler.monitor")
+    return p
 
 
 def _steps_on_a_metric(target: str) -> bool:

@@ -285,7 +285,8 @@ def build_scheduler(cfg: DlpipeConfig, optimizer, steps_per_epoch: int | None):
     if not cfg.scheduler:
         return None
     node = dict(cfg.scheduler)
-    interval = node.pop("interval", SCHEDULER_DEFAULT_INTERVAL)  # dlpipe's key, not the class's
+    interval = node.pop("interval", SCHEDULER_DEFAULT_INTERVAL)  # dlpipe's keys, not the class's
+    monitor = node.pop("monitor", None)  # ReduceLROnPlateau: the epoch metric its step() is given
     span = schedule_length(cfg.trainer, steps_per_epoch, interval)
     unit = "optimizer steps" if interval == "step" else "epochs"
     extra = {}
@@ -304,4 +305,4 @@ def build_scheduler(cfg: DlpipeConfig, optimizer, steps_per_epoch: int | None):
         logging.getLogger("dlpipe").warning(
             "scheduler.warmup_steps=%s: the schedule spans only %d %s in this run (interval=%s), so the lr never "
             "reaches optim.lr; warm up over fewer", warmup, span, unit, interval)
-    return Schedule(_instantiate("scheduler", node, optimizer=optimizer, **extra), interval)
+    return Schedule(_instantiate("scheduler", node, optimizer=optimizer, **extra), interval, monitor)

@@ -200,6 +200,7 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
         build_loaders,
         build_objective_and_metrics,
         build_scheduler,
+        metric_direction,
         monitor_mode,
     )
     from dlpipe.training.accumulation import epoch_batches, optimizer_steps
@@ -219,6 +220,8 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     objective, val_metrics = build_objective_and_metrics(cfg, model, train_set, train_plan.loader.collate_fn)
     validates = val_plan is not None and cfg.trainer.limit_val_batches != 0
     mode = monitor_mode(cfg, val_metrics, validates)
+    if schedule is not None and schedule.monitor:  # only for the check: the scheduler has its own mode
+        metric_direction("scheduler", schedule.monitor, "min", val_metrics, validates)
     callbacks = build_callbacks(cfg, val_metrics, validates)  # user code runs here: before anything is written
     trainer, sampler, profiler, allocations = build_trainer(ctx, cfg, ranks, model, optimizer, budget.budget,
                                                             schedule)  # (torch.compile may refuse here)

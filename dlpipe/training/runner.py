@@ -153,7 +153,7 @@ class Trainer:
             if self.peers is not None:
                 row = self.peers.epoch_row(row)
             # The same on every rank (not averaged); an epoch schedule moves before on_epoch checkpoints.
-            lrs = self.schedule.end_epoch(self.optimizer) if self.schedule else current_lrs(self.optimizer)
+            lrs = self.schedule.end_epoch(self.optimizer, row) if self.schedule else current_lrs(self.optimizer)
             row.update(lr_metrics(lrs, "epoch_lr"))
             self.metrics.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
             self.metrics.flush()  # between epochs: the write never interrupts a training step

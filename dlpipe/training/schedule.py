@@ -84,9 +84,11 @@ def lr_metrics(lrs: list[float], name: str = "lr") -> dict[str, float]:
 class Schedule:
     """A torch lr scheduler and when it moves: after every optimizer step or after every epoch."""
 
-    def __init__(self, scheduler, interval: str):
+    def __init__(self, scheduler, interval: str, monitor: str | None = None):
+        """`monitor`: the epoch metric a metric-driven scheduler (ReduceLROnPlateau) steps on."""
         self.scheduler = scheduler
         self.interval = interval
+        self.monitor = monitor
         self.last_used: list[float] | None = None  # each group's lr in the last optimizer step (interval=step)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -95,12 +97,16 @@ class Schedule:
             self.last_used = current_lrs(optimizer)
             self.scheduler.step()
 
-    def end_epoch(self, optimizer: torch.optim.Optimizer) -> list[float]:
-        """Step an epoch schedule; return each group's lr the epoch trained with (its last step's)."""
+    def end_epoch(self, optimizer: torch.optim.Optimizer, metrics: dict[str, float] | None = None) -> list[float]:
+        """Step an epoch schedule (on `metrics[monitor]` for a metric-driven one: a missing value is
+        NaN, which never counts as an improvement); return each group's lr the epoch trained with."""
         if self.interval == "step":
             return self.last_used or current_lrs(optimizer)
         used = current_lrs(optimizer)
-        self.scheduler.step()
+        if self.monitor is not None:
+            self.scheduler.step(float((metrics or {}).get(self.monitor, math.nan)))
+        else:
+            self.scheduler.step()
         return used
 
     def state_dict(self) -> dict:
