@@ -20,11 +20,11 @@ from dlpipe.data.sequences import TokenSequenceDataset
 from dlpipe.errors import ConfigError
 from dlpipe.loader.build import ESTIMATE_ITEMS, build_loader, sample_bytes
 from dlpipe.loader.collate import PadSequences
-from dlpipe.loader.measure import batch_samples
 from dlpipe.loader.probe import item_fetch_seconds
 from dlpipe.models.transformer import TinyTransformer
 from dlpipe.schema import LoaderConfig
 from dlpipe.tasks.build import build_data_and_model, build_loaders, fit_loader_to_data
+from dlpipe.training.batches import batch_samples
 
 PAD = PadSequences()
 

@@ -9,24 +9,7 @@ step, because the best worker count depends on how many cores the step itself ta
 import time
 from dataclasses import dataclass
 
-import torch
-
-
-def batch_samples(batch) -> int:
-    """Samples in a collated batch: the length of its first tensor, depth first. Every collated field
-    leads with the batch dimension: a padding collate's (inputs, targets, lengths) and a dict with an
-    attention_mask count the same; a leading field of strings (a list) is skipped, not counted as 1."""
-    tensor = _first_tensor(batch)
-    if tensor is None:
-        return 1
-    return tensor.shape[0] if tensor.dim() else 1
-
-
-def _first_tensor(batch) -> torch.Tensor | None:
-    if isinstance(batch, torch.Tensor):
-        return batch
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    return next((t for t in map(_first_tensor, values) if t is not None), None)
+from dlpipe.training.batches import batch_samples
 
 
 class _Batches:

@@ -277,8 +277,7 @@ def build_scheduler(cfg: DlpipeConfig, optimizer, steps_per_epoch: int | None):
     import inspect
     import logging
 
-    from hydra.utils import get_object
-
+    from dlpipe.config.validation import locate
     from dlpipe.schema import SCHEDULER_DEFAULT_INTERVAL
     from dlpipe.training.schedule import Schedule, schedule_length
 
@@ -291,7 +290,7 @@ def build_scheduler(cfg: DlpipeConfig, optimizer, steps_per_epoch: int | None):
     unit = "optimizer steps" if interval == "step" else "epochs"
     extra = {}
     try:
-        takes = inspect.signature(get_object(node["_target_"])).parameters  # validation imported it already
+        takes = inspect.signature(locate(node["_target_"])).parameters  # validation located it already
     except (TypeError, ValueError):
         takes = {}  # no signature to read: the class gets what the config gives
     if "total_steps" in takes and node.get("total_steps") is None and node.get("epochs") is None:

@@ -223,8 +223,10 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     if schedule is not None and schedule.monitor:  # only for the check: the scheduler has its own mode
         metric_direction("scheduler", schedule.monitor, "min", val_metrics, validates)
     callbacks = build_callbacks(cfg, val_metrics, validates)  # user code runs here: before anything is written
-    trainer, sampler, profiler, allocations = build_trainer(ctx, cfg, ranks, model, optimizer, budget.budget,
-                                                            schedule)  # (torch.compile may refuse here)
+    # (torch.compile may refuse here, before anything is written)
+    trainer, sampler, profiler, allocations = build_trainer(
+        ctx, cfg, ranks, model, optimizer, budget.budget,
+        extras={"schedule": schedule, "objective": objective, "val_metrics": val_metrics, "callbacks": callbacks})
     shown = recorded_config(cfg)  # what is recorded anywhere; `cfg` itself builds the job
     resolved_yaml = yaml.safe_dump(shown, sort_keys=False)
     if ranks.is_main:
@@ -234,17 +236,15 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     ck = cfg.checkpoint
     folder = Path(ck.dir) if ck.dir else ctx.output_dir / "checkpoints"
     store = CheckpointStore(folder, ck.keep_last, ck.monitor, mode)
-    trainer.objective, trainer.val_metrics = objective, {k: m.to(trainer.device) for k, m in val_metrics.items()}
-    trainer.callbacks = callbacks
     params = {**config_flat, **hardware.host_facts(cpu=budget), **{f"auto.{k}": v for k, v in decided.items()},
               **job_params(cfg, ranks, train_plan, model)}
     return TrainJob(ctx, cfg, ranks, train_plan, val_plan, trainer, store, sampler, profiler, allocations,
                     params, run_tags(ctx), resolved_yaml, config_flat, budget.budget)
 
 
-def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int, schedule=None):
-    """The Trainer with its telemetry and `schedule` (tasks.build.build_scheduler): (trainer, sampler,
-    profiler, allocation snapshot)."""
+def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int, extras: dict):
+    """The Trainer with its telemetry: (trainer, sampler, profiler, allocation snapshot). `extras` are
+    the Trainer's schedule, objective, val_metrics and callbacks (built in tasks.build)."""
     import torch
 
     from dlpipe.telemetry.profiling import AllocationSnapshot, StepProfiler
@@ -264,7 +264,7 @@ def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, c
     allocations = AllocationSnapshot(profile_dir, telemetry.tracemalloc and ranks.is_main)
     peers = distributed.Collectives(ranks, torch.device(settings.device)) if ranks.distributed else None
     trainer = Trainer(model, optimizer, settings, sampler=sampler, profiler=profiler if profiler.enabled else None,
-                      peers=peers, cuda_sync_every=telemetry.cuda_sync_every, schedule=schedule)
+                      peers=peers, cuda_sync_every=telemetry.cuda_sync_every, **extras)
     return trainer, sampler, profiler, allocations
 
 

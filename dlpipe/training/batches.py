@@ -14,6 +14,23 @@ def to_device(batch, device: torch.device, non_blocking: bool):
     return batch
 
 
+def batch_samples(batch) -> int:
+    """Samples in a collated batch: the length of its first tensor, depth first. Every collated field
+    leads with the batch dimension: a padding collate's (inputs, targets, lengths) and a dict with an
+    attention_mask count the same; a leading field of strings (a list) is skipped, not counted as 1."""
+    tensor = _first_tensor(batch)
+    if tensor is None:
+        return 1
+    return tensor.shape[0] if tensor.dim() else 1
+
+
+def _first_tensor(batch) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    return next((t for t in map(_first_tensor, values) if t is not None), None)
+
+
 def non_blocking_copies(device: torch.device, loader) -> bool:
     """Copies may be asynchronous only from pinned memory to a CUDA device."""
     return device.type == "cuda" and getattr(loader, "pin_memory", False)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dlpipe.errors import ConfigError, first_line
+from dlpipe.training.batches import batch_samples
 from dlpipe.training.losses import CrossEntropy, ModelLoss
 
 CLASSIFICATION, BINARY, REGRESSION, MODEL, CUSTOM = "classification", "binary", "regression", "model", "custom"
@@ -85,7 +86,7 @@ class Objective:
         _, _, target = self.split(batch)
         if isinstance(target, torch.Tensor) and target.dim():
             return target.shape[0]
-        return _first_length(batch)
+        return batch_samples(batch)
 
     def _aligned(self, prediction, target):
         if self.kind in (REGRESSION, BINARY) and isinstance(target, torch.Tensor):
@@ -131,13 +132,6 @@ class Objective:
                 raise ConfigError([f"{loss_key}: {type(e).__name__}: {first_line(e)} (model output "
                                    f"{_describe(predictions(output))}, target {_describe(target)})"]) from e
         return prediction
-
-
-def _first_length(batch) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
-    return next((_first_length(v) for v in values if isinstance(v, (torch.Tensor, tuple, list, dict))), 1)
 
 
 def _describe(value) -> str:
