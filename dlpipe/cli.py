@@ -108,10 +108,15 @@ def _job(cfg: DictConfig):
             overrides=OmegaConf.to_container(hc.overrides.task, resolve=False),
             recipe=hc.runtime.choices.get("recipe"),
             multirun=multirun,
+            argv=tuple(sys.argv[1:]),
         )
         # Before resolving: ${auto_workers:} divides the CPUs by the ranks on this node.
         export_submitit_env()
-        return _task_module(cfg.get("task", "train")).run(ctx, *resolve(cfg))
+        from dlpipe.tasks.writable import check_writable
+
+        raw, resolved = resolve(cfg)
+        check_writable(ctx, resolved)  # every folder the job writes, before anything is built
+        return _task_module(cfg.get("task", "train")).run(ctx, raw, resolved)
     except KeyboardInterrupt:
         print("dlpipe: interrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(130)
@@ -143,6 +148,16 @@ def with_overrides(argv: list[str], extra: list[str]) -> list[str]:
     return [*argv[: last + 1], *extra, *argv[last + 1 :]]
 
 
+MULTIRUN_FLAGS = ("--multirun", "-m")
+
+
+def multirun_first(argv: list[str]) -> list[str]:
+    """argv with --multirun (-m) moved before the overrides: Hydra's parser takes the overrides as
+    one run of positional arguments and rejects an option after them ("unrecognized arguments")."""
+    flags = [a for a in argv[1:] if a in MULTIRUN_FLAGS]
+    return [argv[0], *flags[:1], *(a for a in argv[1:] if a not in MULTIRUN_FLAGS)]
+
+
 def main() -> None:
     """Console-script entry point (`dlpipe ...`, `python -m dlpipe ...`)."""
     if sys.argv[1:2] == ["sync"]:
@@ -153,6 +168,7 @@ def main() -> None:
         # `dlpipe bench ARGS` is `dlpipe ARGS task=bench`: the same Hydra app, so recipes,
         # overrides and --multirun work unchanged (last, after any --config-dir option)
         sys.argv = with_overrides([sys.argv[0], *sys.argv[2:]], [f"task={sys.argv[1]}"])
+    sys.argv = multirun_first(sys.argv)
     command = torchrun_command(sys.argv[1:], os.environ)
     if command is not None:
         n = devices_requested(sys.argv[1:])
@@ -194,7 +210,9 @@ def main() -> None:
         print(f"dlpipe: error: a sweep job failed ({e}); the other jobs ran", file=sys.stderr)
         sys.exit(1)
     except Exception as e:
-        line = one_line(e, sys.argv[1:])
+        from dlpipe.tasks.writable import hydra_output_error  # Hydra could not make the output folder
+
+        line = hydra_output_error(e, sys.argv[1:]) or one_line(e, sys.argv[1:])
         if line is None:
             raise
         print(f"dlpipe: error: {line}", file=sys.stderr)

@@ -2,9 +2,11 @@
 
 A config may hold a token or password (a dataset reading from object storage, a tracking URI with
 credentials). Values under secret-looking keys are masked, and so is the password part of any
-`scheme://user:password@host` URI, wherever it appears in a string.
+`scheme://user:password@host` URI, wherever it appears in a string (log records too, through
+RedactingFilter). On disk a URI is kept without its password (`without_password`).
 """
 
+import logging
 import re
 
 MASK = "***"
@@ -25,6 +27,47 @@ def is_secret_key(key: str) -> bool:
 def redact_text(text: str) -> str:
     """Mask the password of every `scheme://user:password@host` in a string."""
     return _URI_PASSWORD.sub(lambda m: m["head"] + MASK + m["at"], text)
+
+
+def redact_overrides(overrides: list[str]) -> list[str]:
+    """Command-line overrides with secret keys' values masked (`+dataset.api_key=***`) and URI
+    passwords removed: for run names, tags and printed commands."""
+    masked = []
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        secret = eq and value and is_secret_key(key.lstrip("+~"))
+        masked.append(f"{key}={MASK}" if secret else redact_text(override))
+    return masked
+
+
+def without_password(uri: str) -> str:
+    """The URI with its password left out (`http://bob:pw@host` -> `http://bob@host`): what is
+    stored on disk, where a mask would read as a real password."""
+    return _URI_PASSWORD.sub(lambda m: m["head"][:-1] + m["at"], uri)
+
+
+class RedactingFilter(logging.Filter):
+    """Masks URI passwords in every record a handler writes (message, arguments and traceback):
+    MLflow and its HTTP libraries put the tracking URI in their own messages."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact_text(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact_text(record.exc_text)
+        return True
+
+
+def redact_logging(logger: logging.Logger | None = None) -> None:
+    """Put a RedactingFilter on every handler of `logger` (default: the root logger, where the
+    console and the job's log file are); calling it again adds none twice."""
+    for handler in (logger or logging.getLogger()).handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
 
 
 def redact_tree(tree):

@@ -24,7 +24,8 @@ class LoaderConfig:
     batch_size: int = 64
     """Samples per micro-batch (per rank). The optimizer sees batch_size x trainer.accumulate."""
     num_workers: int = 0
-    """Worker processes; 0 loads in the main process (best for in-memory tensors)."""
+    """Worker processes; 0 loads in the main process (best for in-memory tensors). At most 8 per CPU of
+    the job's budget, at least 16 (loader.policy.max_workers)."""
     pin_memory: bool = False
     """Page-locked host buffers for faster, asynchronous host-to-GPU copies; useless without CUDA."""
     prefetch_factor: int | None = None
@@ -36,7 +37,8 @@ class LoaderConfig:
     drop_last: bool = False
     """Drop the last incomplete training batch (keeps batch statistics and step counts uniform)."""
     timeout: float = 0.0
-    """Seconds to wait for a batch from a worker before failing; 0 waits forever."""
+    """Seconds to wait for a batch from a worker before failing; 0 waits forever. Dropped, with a note,
+    without workers (there is no worker to wait for)."""
     multiprocessing_context: str | None = None
     """Worker start method: fork, spawn or forkserver; None uses the platform default."""
     collate_fn: Any = None
@@ -105,6 +107,9 @@ class TrainerConfig:
     """Stop when trainer.early_stopping.monitor stops improving (off while monitor is null)."""
     compile: bool = False
     """torch.compile the model (the first steps pay for compilation; off by default)."""
+    on_nonfinite: str = "stop"
+    """A nan or inf training loss: `stop` (the run ends FAILED naming the step, within log_every
+    steps), `skip_step` (drop that optimizer step, like GradScaler; counted as skipped_steps) or `warn`."""
 
 
 @dataclass

@@ -25,7 +25,9 @@ def mlflow_store(tmp_path_factory) -> str:
 def dlpipe(tmp_path):
     """Run `python -m dlpipe ARGS` in tmp_path (no checkout on the path: the installed package's conf is used)."""
 
-    def run(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    def run(*args: str, env: dict | None = None, timeout: float = 180, new_session: bool = False
+            ) -> subprocess.CompletedProcess:
+        """`new_session`: in a process group of its own, which a test's job may signal as a whole."""
         full_env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("MLFLOW_", "DLPIPE_", "SLURM_", "LOCAL_WORLD"))}
         full_env["PYTHONPATH"] = str(TESTS_DIR)  # for tests/faulty_data.py datasets
@@ -33,7 +35,7 @@ def dlpipe(tmp_path):
         full_env.update(env or {})
         return subprocess.run(
             [sys.executable, "-m", "dlpipe", *args], cwd=tmp_path, env=full_env,
-            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, start_new_session=new_session,
         )
 
     return run

@@ -131,16 +131,18 @@ class RankFailingDataset(Dataset):
 class SignalsItself(Dataset):
     """Gaussian class clusters that send SIGTERM to their own process at the `at`-th item fetched,
     once: `marker` (a file path) records that it did, so the same command run again trains on. A
-    real stop signal at a known point of a run, without timing; needs num_workers=0."""
+    real stop signal at a known point of a run, without timing; needs num_workers=0, unless `group`
+    (then a worker fetching its `at`-th item signals the job's whole process group)."""
 
     num_classes = 3
 
-    def __init__(self, marker: str, at: int, size: int = 120, num_features: int = 4):
+    def __init__(self, marker: str, at: int, size: int = 120, num_features: int = 4, group: bool = False):
         g = torch.Generator().manual_seed(0)
         self.y = torch.arange(size) % self.num_classes
         self.x = torch.randn(self.num_classes, num_features, generator=g)[self.y]
         self.x += 0.5 * torch.randn(size, num_features, generator=g)
         self.marker, self.at, self.fetched = marker, at, 0
+        self.group = group  # signal the whole process group (kill -TERM -PGID), workers included
 
     def __len__(self):
         return len(self.y)
@@ -149,5 +151,8 @@ class SignalsItself(Dataset):
         self.fetched += 1
         if self.fetched == self.at and not os.path.exists(self.marker):
             open(self.marker, "w").close()
-            os.kill(os.getpid(), signal.SIGTERM)
+            if self.group:
+                os.killpg(os.getpgid(0), signal.SIGTERM)
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
         return self.x[i].clone(), int(self.y[i])

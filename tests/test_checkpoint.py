@@ -249,3 +249,13 @@ def test_clean_stale_without_temp_files(tmp_path):
     assert store.clean_stale() == []
     assert _names(tmp_path) == [".hidden", "best.json", "best.pt", "epoch-0001.pt"]
     assert CheckpointStore(tmp_path / "missing").clean_stale() == []
+
+
+def test_a_folder_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    store = CheckpointStore(tmp_path / "a_file" / "ck")
+    with pytest.raises(CheckpointError) as err:
+        store.save(_state(1), 1, {"val_loss": 0.1})
+    assert str(err.value) == (f"checkpoint {tmp_path}/a_file/ck/epoch-0001.pt: cannot be written (Not a directory); "
+                              "the checkpoints written before are kept")
+    assert _names(tmp_path) == ["a_file"]

@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -289,16 +290,19 @@ def test_worker_faults_fail_the_run_with_the_likely_cause(dlpipe, mlflow_store, 
     assert run.info.status == "FAILED" and expected in run.data.tags["dlpipe.end_reason"]
 
 
-def start_slow_run(tmp_path, mlflow_store, exp: str, *extra: str, new_session: bool = False) -> subprocess.Popen:
+def start_slow_run(tmp_path, mlflow_store, exp: str, *extra: str, new_session: bool = False,
+                   args: list[str] | None = None) -> subprocess.Popen:
     """A training run over a slow dataset (about 0.2 s a batch), in tmp_path/run (in a process
-    group of its own with `new_session`, so a test can signal the whole group)."""
+    group of its own with `new_session`, so a test can signal the whole group); `args` replace
+    the command line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env["PYTHONPATH"] = str(TESTS_DIR)
     env.update(NO_PHONE_HOME)
+    args = args or [*FAULTY, "dataset=slow", "dataset.size=600", "dataset.delay_s=0.003", "loader.num_workers=0",
+                    "trainer.epochs=2", "trainer.val_fraction=0", f"hydra.run.dir={tmp_path / 'run'}",
+                    f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}", *extra]
     return subprocess.Popen(
-        [sys.executable, "-m", "dlpipe", *FAULTY, "dataset=slow", "dataset.size=600", "dataset.delay_s=0.003",
-         "loader.num_workers=0", "trainer.epochs=2", "trainer.val_fraction=0", f"hydra.run.dir={tmp_path / 'run'}",
-         f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}", *extra],
+        [sys.executable, "-m", "dlpipe", *args],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=new_session,
     )
@@ -341,7 +345,8 @@ def test_signal_checkpoints_and_ends_run_killed(tmp_path, mlflow_store, mlflow_c
     [ckpt] = sorted((tmp_path / "run" / "checkpoints").glob("epoch-*.pt"))
     state = torch.load(ckpt, weights_only=True)
     assert state["epoch"] == 0 and state["batches_done"] >= 1 and state["step"] == state["batches_done"]
-    assert "run the same command to resume" in out + err  # the log names the checkpoint
+    # The hint names the output folder: Hydra's default one is new on every launch.
+    assert f"{ckpt}; resume with: dlpipe " in out + err and f"hydra.run.dir={tmp_path / 'run'}" in out + err
     assert "Traceback" not in err
 
 
@@ -362,11 +367,13 @@ def test_signal_to_the_whole_group_spares_the_workers(tmp_path, mlflow_store, ml
 
 
 def test_stopped_run_resumes_in_the_same_mlflow_run(tmp_path, mlflow_store, mlflow_client):
-    """SIGTERM mid-epoch, then the same command: it continues from the saved batch and finishes the run."""
+    """SIGTERM mid-epoch, then the command the stop printed: it continues from the saved batch and
+    finishes the run."""
     exp = "stop-resume"
-    signal_when_training(start_slow_run(tmp_path, mlflow_store, exp), mlflow_client, exp, signal.SIGTERM)
+    _, out, err = signal_when_training(start_slow_run(tmp_path, mlflow_store, exp), mlflow_client, exp, signal.SIGTERM)
     [killed] = runs_of(mlflow_client, exp)
-    proc = start_slow_run(tmp_path, mlflow_store, exp)
+    [hint] = [line.split("resume with: dlpipe ")[1] for line in (out + err).splitlines() if "resume with:" in line]
+    proc = start_slow_run(tmp_path, mlflow_store, exp, args=shlex.split(hint))
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "resuming from" in out + err

@@ -1,9 +1,20 @@
-"""Secrets never reach params, tags or the config artifact."""
+"""Secrets never reach params, tags, artifacts, the store, the output folder or the logs."""
+
+import io
+import logging
 
 import pytest
 from conftest import runs_of
 
-from dlpipe.redact import MASK, is_secret_key, redact_text, redact_tree
+from dlpipe.redact import (
+    MASK,
+    is_secret_key,
+    redact_logging,
+    redact_overrides,
+    redact_text,
+    redact_tree,
+    without_password,
+)
 
 
 @pytest.mark.parametrize("key", ["token", "hf_token", "db_password", "passwd", "aws_secret_access_key",
@@ -38,20 +49,68 @@ def test_tree_masks_values_under_secret_keys():
     assert tree["dataset"]["token"] == "abc"
 
 
-def test_secrets_stay_out_of_the_mlflow_run(dlpipe, tmp_path, mlflow_store, mlflow_client):
-    """A secret in the config and a password in an override never reach params, tags or artifacts."""
+def test_secrets_stay_out_of_the_mlflow_run(dlpipe, tmp_path):
+    """A secret and a URI password in a config file and a password in an override never reach
+    params, tags or artifacts, nor any byte of the SQLite store, the artifact folder, the output
+    folder (Hydra's .hydra record aside, see README) or the printed output."""
+    from mlflow import MlflowClient
+
     conf = tmp_path / "conf" / "dataset"
     conf.mkdir(parents=True)
     (conf / "secret.yaml").write_text(
         "_target_: faulty_data.TokenizedDataset\nsize: 32\napi_token: hunter2\nmirror: https://me:hunter3@data.example/x\n"
     )
+    store = f"sqlite:///{tmp_path / 'store.db'}"
     r = dlpipe("--config-dir", str(tmp_path / "conf"), "dataset=secret", "model=mlp", "model.in_features=4",
-               "trainer.progress=false", "trainer.epochs=1", f"tracking.uri={mlflow_store}",
-               "tracking.experiment=secrets")
+               "trainer.progress=false", "trainer.epochs=1", f"tracking.uri={store}", "tracking.experiment=secrets",
+               "tracking.run_name=http://bob:hunter4@x", "hydra.run.dir=out")
     assert r.returncode == 0, r.stderr
-    [run] = runs_of(mlflow_client, "secrets")
-    recorded = " ".join([*run.data.params.values(), *run.data.tags.values()])
-    artifact = open(mlflow_client.download_artifacts(run.info.run_id, "config/resolved.yaml")).read()
-    for text in (recorded, artifact, r.stdout, r.stderr):
-        assert "hunter2" not in text and "hunter3" not in text
-    assert run.data.params["dataset.api_token"] == MASK
+    client = MlflowClient(tracking_uri=store)
+    [run] = runs_of(client, "secrets")
+    assert run.data.params["dataset.api_token"] == MASK and run.info.run_name == f"http://bob:{MASK}@x"
+    artifact = open(client.download_artifacts(run.info.run_id, "config/resolved.yaml")).read()
+    assert "mirror: https://me:***@data.example/x" in artifact
+    skipped = {"conf", ".hydra"}  # the config file itself, and Hydra's record of the job
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and not skipped & set(p.relative_to(tmp_path).parts)]
+    assert {"store.db", "dlpipe.log", "resolved.yaml"} <= {p.name for p in files}
+    written = b"".join(p.read_bytes() for p in files)
+    for secret in ("hunter2", "hunter3", "hunter4"):
+        assert secret.encode() not in written and secret not in r.stdout + r.stderr
+
+
+def test_overrides_lose_secret_values_and_passwords():
+    """Run names and the overrides tag: a secret key's value masked (with + or ~ prefixes), a URI
+    password masked under any key, everything else as typed."""
+    overrides = ["+dataset.api_key=SECRET123", "dataset.hf_token=abc", "tracking.run_name=http://bob:hunter2@x",
+                 "loader.batch_size=64", "~dataset.password"]
+    assert redact_overrides(overrides) == ["+dataset.api_key=***", "dataset.hf_token=***",
+                                           "tracking.run_name=http://bob:***@x", "loader.batch_size=64",
+                                           "~dataset.password"]
+
+
+def test_uri_on_disk_keeps_the_user_but_not_the_password():
+    assert without_password("http://bob:hunter2@host:5000/x") == "http://bob@host:5000/x"
+    assert without_password("http://host:5000") == "http://host:5000"
+
+
+def test_log_records_are_redacted_by_the_handlers_filter():
+    """Whatever logs a URI (MLflow, urllib3, dlpipe), in the message, its arguments or a traceback,
+    the job's handlers write it masked; installing twice adds one filter."""
+    stream = io.StringIO()
+    logger = logging.getLogger("test_redact.filter")
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    try:
+        redact_logging(logger)
+        redact_logging(logger)
+        assert len(handler.filters) == 1
+        logger.warning("request to %s failed", "http://alice:pw1@h/api")
+        try:
+            raise ConnectionError("http://alice:pw2@h/api refused")
+        except ConnectionError:
+            logger.exception("it failed")
+    finally:
+        logger.removeHandler(handler)
+    text = stream.getvalue()
+    assert "pw1" not in text and "pw2" not in text
+    assert "http://alice:***@h/api refused" in text and "request to http://alice:***@h/api failed" in text

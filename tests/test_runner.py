@@ -471,13 +471,13 @@ class StopAfter(torch.nn.Module):
         return self.net(x)
 
 
-def build_stoppable(stop_after=None):
+def build_stoppable(stop_after=None, log_every: int = 50, epochs: int = 3):
     seed_everything(11)
     model = StopAfter(stop_after)
     generator = torch.Generator().manual_seed(5)
     loader = DataLoader(NoisyItems(), batch_size=4, shuffle=True, generator=generator)
     trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01),
-                      TrainerConfig(epochs=3, accumulate=2, progress=False))
+                      TrainerConfig(epochs=epochs, accumulate=2, progress=False, log_every=log_every))
     model.trainer = trainer
     return trainer, loader
 
@@ -500,6 +500,57 @@ def test_stop_mid_epoch_then_resume_matches_an_uninterrupted_run():
     assert second.step == straight.step
     for a, b in zip(straight.model.parameters(), second.model.parameters()):
         assert torch.equal(a, b)
+
+
+# Per-attempt measurements: what a resumed epoch measures of its own part only.
+TIMINGS = {"epoch_time_s", "samples_per_s", "data_wait_s", "data_wait_frac", "first_batch_s", "h2d_s", "h2d_frac",
+           "step_time_p50_ms", "step_time_p95_ms"}
+
+
+def logged(sink: RecordingSink) -> list[tuple[int, dict[str, float]]]:
+    return [(step, {k: v for k, v in values.items() if k not in TIMINGS}) for values, step in sink.calls]
+
+
+def test_stop_mid_epoch_then_resume_logs_what_an_uninterrupted_run_logs():
+    """Every logged number but the timings, step by step and epoch by epoch, is bitwise the straight
+    run's: train_loss of the interrupted epoch (its sum and samples before the stop are in the
+    checkpoint) and the train_loss_step whose window spans the stop and an epoch boundary."""
+    straight, loader = build_stoppable(log_every=4)  # 6 steps an epoch: logs at 4, 8, 12... across epochs
+    straight.metrics = sink_a = RecordingSink()
+    straight.fit(loader)
+
+    first, loader1 = build_stoppable(stop_after=17, log_every=4)  # stops in epoch 2 at step 9, inside 9..12
+    first.metrics = sink_b = RecordingSink()
+    with pytest.raises(StopTraining):
+        first.fit(loader1)
+    state = first.state_dict(loader1.generator)
+    assert state["epoch_loss"]["samples"] == 6 * 4 and state["step_log"]["samples"] == 2 * 4
+    second, loader2 = build_stoppable(log_every=4)
+    second.load_state_dict(state, loader2.generator)
+    second.metrics = sink_b
+    second.fit(loader2)
+    assert logged(sink_b) == logged(sink_a)
+    assert [step for values, step in sink_a.calls if "train_loss_step" in values] == [4, 8, 12, 16]
+    assert [row["train_loss"] for row in second.history] == [row["train_loss"] for row in straight.history]
+
+
+def test_resume_after_a_finished_epoch_keeps_the_step_log_window_that_spans_it():
+    """An epoch's checkpoint holds the loss and samples since the last train_loss_step: the log of
+    step 8 (window 5..8, across the epoch boundary at step 6) is the straight run's."""
+    straight, loader = build_stoppable(log_every=4)
+    straight.metrics = sink_a = RecordingSink()
+    straight.fit(loader)
+
+    first, loader1 = build_stoppable(log_every=4, epochs=1)
+    first.metrics = sink_b = RecordingSink()
+    first.fit(loader1)
+    state = first.state_dict(loader1.generator)
+    assert state["step_log"]["samples"] == 2 * 2 * 4 and state["epoch_loss"] is None
+    second, loader2 = build_stoppable(log_every=4)
+    second.load_state_dict(state, loader2.generator)
+    second.metrics = sink_b
+    second.fit(loader2)
+    assert logged(sink_b) == logged(sink_a)
 
 
 class DyingLoader:

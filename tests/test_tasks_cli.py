@@ -4,7 +4,10 @@ refusals of samples a loss cannot use."""
 
 import json
 
+import pytest
 from conftest import runs_of
+
+from dlpipe.config.targets import check_target
 
 QUIET = ["trainer.progress=false"]
 
@@ -85,23 +88,32 @@ def test_any_target_hydra_accepts_with_only_the_keys_given(tmp_path, dlpipe, mlf
     assert int(run.data.params["model.parameters"]) == 8 * 32 + 32 + 32 * 2 + 2  # the factory's width, not 16
 
 
-def test_every_kind_of_import_failure_is_one_line_and_leaves_nothing(tmp_path, dlpipe, mlflow_store, mlflow_client):
-    cases = [
-        ("user_broken.Net", "cannot be imported (importing user_broken raised RuntimeError: this extension was "
-                            "built for another torch)"),
-        ("user_missing_dependency.Net", "cannot be imported (importing user_missing_dependency failed: No module "
-                                        "named 'dlpipe_test_package_that_is_not_installed')"),
-        ("not_a_package_here.Net", "cannot be imported (no module named 'not_a_package_here': is its package "
-                                   "installed in this environment?)"),
-        ("user_task.SelfLossClassifier.nope", "cannot be imported (user_task.SelfLossClassifier has no attribute "
-                                              "'nope')"),
-    ]
-    for target, expected in cases:
-        r = dlpipe("+recipe=tabular", "model=custom", f"model._target_={target}", *QUIET, "hydra.run.dir=out",
-                   f"tracking.uri={mlflow_store}", "tracking.experiment=imports")
-        errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error:")]
-        assert r.returncode == 2 and errors == [f"dlpipe: error: model._target_={target}: {expected}"], r.stderr
-        assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+IMPORT_FAILURES = [
+    ("user_broken.Net", "cannot be imported (importing user_broken raised RuntimeError: this extension was "
+                        "built for another torch)"),
+    ("user_missing_dependency.Net", "cannot be imported (importing user_missing_dependency failed: No module "
+                                    "named 'dlpipe_test_package_that_is_not_installed')"),
+    ("not_a_package_here.Net", "cannot be imported (no module named 'not_a_package_here': is its package "
+                               "installed in this environment?)"),
+    ("user_task.SelfLossClassifier.nope", "cannot be imported (user_task.SelfLossClassifier has no attribute "
+                                          "'nope')"),
+]
+
+
+@pytest.mark.parametrize("target, expected", IMPORT_FAILURES)
+def test_every_kind_of_import_failure_is_one_line(target, expected):
+    """What the module raised, its missing dependency, a missing package, a missing attribute: one line each
+    (the tests folder is on sys.path here as it is for the CLI runs through PYTHONPATH)."""
+    assert check_target("model", {"_target_": target}) == [f"model._target_={target}: {expected}"]
+
+
+def test_an_import_failure_from_the_cli_is_one_line_and_leaves_nothing(tmp_path, dlpipe, mlflow_store, mlflow_client):
+    target, expected = IMPORT_FAILURES[0]  # the others take the same path from validation to the CLI
+    r = dlpipe("+recipe=tabular", "model=custom", f"model._target_={target}", *QUIET, "hydra.run.dir=out",
+               f"tracking.uri={mlflow_store}", "tracking.experiment=imports")
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error:")]
+    assert r.returncode == 2 and errors == [f"dlpipe: error: model._target_={target}: {expected}"], r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
     r = dlpipe("+recipe=tabular", "model._target_=user_task.SelfLossClassifier", *QUIET, "hydra.run.dir=out")
     assert r.returncode == 2 and "start from model=custom" in r.stderr  # the mlp option's keys do not fit
     assert runs_of(mlflow_client, "imports") == []
@@ -214,7 +226,6 @@ def test_a_lazy_modules_import_failure_is_one_line(monkeypatch):
     import sys
     import types
 
-    from dlpipe.config.validation import _check_target
 
     lazy = types.ModuleType("lazy_models")
 
@@ -223,6 +234,6 @@ def test_a_lazy_modules_import_failure_is_one_line(monkeypatch):
 
     lazy.__getattr__ = __getattr__
     monkeypatch.setitem(sys.modules, "lazy_models", lazy)
-    assert _check_target("model", {"_target_": "lazy_models.Bert"}) == [
+    assert check_target("model", {"_target_": "lazy_models.Bert"}) == [
         "model._target_=lazy_models.Bert: cannot be imported (lazy_models.Bert raised RuntimeError: Failed to "
         "import lazy_models.Bert because of:)"]

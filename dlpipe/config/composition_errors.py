@@ -47,6 +47,8 @@ def one_line(exc: BaseException, overrides: list[str]) -> str | None:
         reason = str(exc).splitlines()[0]
         return (f"{exc.override}: not a valid override ({reason}); write key=value, quoting values with "
                 "spaces or brackets: 'key=\"a b\"'")
+    if isinstance(exc, ValueError) and str(exc).startswith("Only one of --run, --multirun"):
+        return f"{str(exc).splitlines()[0]}: --cfg and --info print the config of a single run; drop --multirun"
     if not isinstance(exc, ConfigCompositionException):
         return None
     cause = exc.__cause__

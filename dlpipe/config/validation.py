@@ -2,13 +2,17 @@
 
 import dataclasses
 import difflib
-import importlib
 import inspect
+import math
 import os
 import re
 import typing
 
-from dlpipe.errors import ConfigError, first_line
+from dlpipe import hardware
+from dlpipe.config.targets import check_named_targets, check_target, locate
+from dlpipe.config.tracking_checks import check_tracking
+from dlpipe.errors import ConfigError
+from dlpipe.loader import policy
 from dlpipe.schema import (
     SCHEDULER_DEFAULT_INTERVAL,
     SCHEDULER_INTERVALS,
@@ -60,10 +64,12 @@ def _check_trainer(c: TrainerConfig) -> list[str]:
         p.append(f"trainer.devices={c.devices}: must be >= 1 (processes on this node, one per GPU)")
     if c.accumulate < 1:
         p.append(f"trainer.accumulate={c.accumulate}: must be >= 1 (micro-batches per optimizer step)")
-    if c.grad_clip < 0:
-        p.append(f"trainer.grad_clip={c.grad_clip}: must be >= 0 (0 disables clipping)")
+    if not math.isfinite(c.grad_clip) or c.grad_clip < 0:  # nan < 0 is False: nan would disable clipping
+        p.append(f"trainer.grad_clip={c.grad_clip}: must be a finite number >= 0 (0 disables clipping)")
     if c.amp not in _AMP:
         p.append(f"trainer.amp={c.amp}: allowed: {', '.join(_AMP)}")
+    if c.on_nonfinite not in ("stop", "skip_step", "warn"):
+        p.append(f"trainer.on_nonfinite={c.on_nonfinite}: allowed: stop, skip_step, warn")
     if c.empty_cache_every < 0:
         p.append(f"trainer.empty_cache_every={c.empty_cache_every}: must be >= 0 (0 never)")
     if not 0.0 <= c.val_fraction < 1.0:
@@ -81,21 +87,6 @@ def _check_trainer(c: TrainerConfig) -> list[str]:
         p.append(f"trainer.early_stopping.min_delta={stop.min_delta}: must be >= 0")
     if c.amp == "fp16" and not c.device.startswith("cuda"):
         p.append(f"trainer.amp=fp16 with trainer.device={c.device}: fp16 needs CUDA; use bf16 or off")
-    return p
-
-
-def _check_tracking(c: TrackingConfig) -> list[str]:
-    p = []
-    if c.enabled and not c.uri:
-        p.append("tracking.uri='': set a URI (sqlite:///mlflow.db, http://host:5000) or use tracking=none")
-    if c.request_timeout_s <= 0:
-        p.append(f"tracking.request_timeout_s={c.request_timeout_s}: must be > 0")
-    if c.request_retries < 0:
-        p.append(f"tracking.request_retries={c.request_retries}: must be >= 0")
-    if c.retry_every_s <= 0:
-        p.append(f"tracking.retry_every_s={c.retry_every_s}: must be > 0")
-    if c.offline_wait_s < 0:
-        p.append(f"tracking.offline_wait_s={c.offline_wait_s}: must be >= 0")
     return p
 
 
@@ -128,88 +119,9 @@ def _check_checkpoint(c: CheckpointConfig) -> list[str]:
     return p
 
 
-def locate(target: str):
-    """The object a `_target_` names, found as Hydra's instantiate finds it: the longest importable
-    module path, then attributes (so `pkg.module.Class.factory` works). Every failure, whatever the
-    imported code raised, is an ImportError whose message is one line for the user."""
-    parts = target.split(".")
-    if len(parts) < 2 or not all(parts):
-        raise ImportError(f"'{target}' is not a dotted path like package.module.Class")
-    obj = _import(parts[0])
-    for i, part in enumerate(parts[1:], start=2):
-        try:
-            obj = getattr(obj, part)
-            continue
-        except AttributeError:
-            if not inspect.ismodule(obj):
-                raise ImportError(f"{'.'.join(parts[:i - 1])} has no attribute '{part}'") from None
-        except Exception as e:  # a lazy module's __getattr__ importing its real code (transformers does)
-            raise ImportError(f"{'.'.join(parts[:i])} raised {type(e).__name__}: {first_line(e)}") from None
-        obj = _import(".".join(parts[:i]), parent=".".join(parts[:i - 1]))
-    return obj
-
-
-def _import(name: str, parent: str | None = None):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name == name:  # the module itself is not there (not one it imports)
-            where = f"{parent} has no attribute or submodule '{name.rsplit('.', 1)[-1]}'" if parent else \
-                f"no module named '{name}': is its package installed in this environment?"
-            raise ImportError(where) from None
-        raise ImportError(f"importing {name} failed: {first_line(e)}") from None
-    except Exception as e:  # the module's own code failed: a missing dependency's error, a syntax error, ...
-        raise ImportError(f"importing {name} raised {type(e).__name__}: {first_line(e)}") from None
-
-
-def _check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
-    """A `_target_` must import and accept the keys given for it (checked before building anything)."""
-    target = node.get("_target_")
-    if not target:
-        return [f"{group}._target_ is missing: set it to an importable class, e.g. {group}._target_=pkg.module.Class"]
-    try:
-        obj = locate(target)
-    except ImportError as e:
-        return [f"{group}._target_={target}: cannot be imported ({first_line(e)})"]
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):
-        return []  # builtins without a signature: let the call itself report
-    params = sig.parameters.values()
-    if any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params):
-        return []
-    allowed = [q.name for q in params if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)]
-    given = [k for k in node if not k.startswith("_")]
-    unknown = [k for k in given if k not in allowed]
-    if unknown:
-        # A swapped _target_ keeps the keys of the group option it replaced: say how to start clean.
-        hint = f"; to set only your own keys start from {group}=custom" if group in ("model", "dataset") else ""
-        return [
-            f"{group}.{k}: not a parameter of {target} (allowed: {', '.join(allowed[extra_args:]) or 'none'}){hint}"
-            for k in unknown
-        ]
-    return []
-
-
 def _check_metrics(metrics) -> list[str]:
     """metrics: null (defaults for the loss) or name -> `_target_` node, each importable."""
-    return _check_named_targets("metrics", metrics, "torchmetrics.MeanAbsoluteError")
-
-
-def _check_named_targets(group: str, nodes, example: str = "mypkg.module.Class") -> list[str]:
-    """null, or name -> `_target_` node (metrics, callbacks), each importable with the keys given."""
-    if nodes is None:
-        return []
-    if not isinstance(nodes, dict):
-        return [f"{group}={nodes}: must be a mapping of name -> {{_target_: ...}} (or null)"]
-    problems = []
-    for name, node in nodes.items():
-        if not isinstance(node, dict):
-            problems.append(f"{group}.{name}={node}: must be a node with a _target_, e.g. "
-                            f"+{group}.{name}._target_={example}")
-        else:
-            problems += _check_target(f"{group}.{name}", node)
-    return problems
+    return check_named_targets("metrics", metrics, "torchmetrics.MeanAbsoluteError")
 
 
 _TASKS = ("train", "bench", "tune", "eval")
@@ -256,7 +168,7 @@ def _check_scheduler(node) -> list[str]:
         p.append(f"scheduler.min_lr_ratio={ratio}: must be in [0, 1] (the last step's lr as a share of optim.lr)")
     # the optimizer comes first, as optim's params do: skip it in the 'allowed' listing
     ours = ("interval", "monitor")  # dlpipe's keys, not the class's
-    target = _check_target("scheduler", {k: v for k, v in node.items() if k not in ours}, extra_args=1)
+    target = check_target("scheduler", {k: v for k, v in node.items() if k not in ours}, extra_args=1)
     if target:
         return p + target
     monitor, on_metric = node.get("monitor"), _steps_on_a_metric(node["_target_"])
@@ -282,7 +194,7 @@ def _steps_on_a_metric(target: str) -> bool:
 
 
 _SECTIONS = {"loader": (LoaderConfig, _check_loader), "trainer": (TrainerConfig, _check_trainer),
-             "tracking": (TrackingConfig, _check_tracking), "telemetry": (TelemetryConfig, _check_telemetry),
+             "tracking": (TrackingConfig, check_tracking), "telemetry": (TelemetryConfig, _check_telemetry),
              "checkpoint": (CheckpointConfig, _check_checkpoint), "bench": (BenchConfig, _check_bench),
              "batch": (BatchConfig, lambda c: [])}
 
@@ -310,8 +222,27 @@ def _typed(schema, node: dict):
                      else v for k, v in node.items()})
 
 
-def validate(resolved: dict) -> DlpipeConfig:
-    """The resolved config (a plain dict) as typed sections; raises ConfigError listing every problem."""
+def _check_lr(optim: dict) -> list[str]:
+    """optim.lr, when given: a finite number > 0 (inf or nan would train to nan and end FINISHED)."""
+    lr = optim.get("lr")
+    if "lr" not in optim or (type(lr) in (int, float) and math.isfinite(lr) and lr > 0):
+        return []
+    return [f"optim.lr={lr}: must be a finite number > 0 (e.g. optim.lr=1e-3)"]
+
+
+def _check_worker_bound(loader: LoaderConfig, cpu_budget: int) -> list[str]:
+    """Thousands of workers would fork thousands of processes before the first batch."""
+    bound = policy.max_workers(cpu_budget)
+    if loader.num_workers <= bound:
+        return []
+    return [f"loader.num_workers={loader.num_workers}: at most {bound} here ({policy.MAX_WORKERS_PER_CPU} per CPU "
+            f"of this job's budget of {cpu_budget}, at least {policy.MAX_WORKERS_FLOOR}): each worker is a process "
+            "with its own copy of the dataset, and beyond a few per CPU they only add start-up time and memory"]
+
+
+def validate(resolved: dict, cpu_budget: int | None = None) -> DlpipeConfig:
+    """The resolved config (a plain dict) as typed sections; raises ConfigError listing every problem.
+    `cpu_budget` bounds loader.num_workers (None: this process's, hardware.cpu_budget)."""
     problems = []
     if resolved.get("task", "train") not in _TASKS:
         problems.append(f"task={resolved['task']}: allowed: {', '.join(_TASKS)}")
@@ -323,16 +254,16 @@ def validate(resolved: dict) -> DlpipeConfig:
             continue
         sections[section] = _typed(schema, resolved[section])
         problems += check(sections[section])
-    problems += _check_target("dataset", resolved["dataset"])
-    problems += _check_target("model", resolved["model"])
+    if "loader" in sections:
+        problems += _check_worker_bound(sections["loader"], cpu_budget or hardware.cpu_budget().budget)
+    problems += check_target("dataset", resolved["dataset"])
+    problems += check_target("model", resolved["model"])
     # optimizers take the parameters first (a partial): skip it in the 'allowed' listing
-    problems += _check_target("optim", resolved["optim"], extra_args=1)
-    optim = resolved["optim"]
-    if isinstance(optim.get("lr"), (int, float)) and optim["lr"] <= 0:
-        problems.append(f"optim.lr={optim['lr']}: must be > 0")
-    problems += _check_target("loss", resolved["loss"])
+    problems += check_target("optim", resolved["optim"], extra_args=1)
+    problems += _check_lr(resolved["optim"])
+    problems += check_target("loss", resolved["loss"])
     problems += _check_metrics(resolved.get("metrics"))
-    problems += _check_named_targets("callbacks", resolved.get("callbacks"))
+    problems += check_named_targets("callbacks", resolved.get("callbacks"))
     problems += _check_scheduler(resolved.get("scheduler"))
     if problems:
         raise ConfigError(problems)

@@ -160,6 +160,9 @@ def build_loader(
         if multiprocessing_context is not None:
             notes.append(f"loader.multiprocessing_context={multiprocessing_context} ignored: num_workers=0")
             multiprocessing_context = None
+        if timeout:  # PyTorch asserts timeout == 0 without workers: there is no worker to wait for
+            notes.append(f"loader.timeout={timeout} ignored: it bounds the wait for a worker's batch (num_workers=0)")
+            timeout = 0
     if pin_memory and not cuda:
         pin_memory = False  # PyTorch would warn on every epoch; dlpipe.lint says it once, with the fix
 

@@ -7,6 +7,7 @@ worker without saying which sample); here they become one line with the likely c
 from torch.utils.data import Dataset
 
 from dlpipe.errors import DataError
+from dlpipe.loader import policy
 from dlpipe.schema import LoaderConfig
 
 
@@ -70,14 +71,28 @@ def explain_loader_failure(error: BaseException, loader: LoaderConfig) -> str | 
     text = str(error)
     if "exited unexpectedly" in text or "killed by signal" in text:
         first = text.splitlines()[0]
-        return (
-            f"{first}: usually the out-of-memory killer or a full /dev/shm (Docker's default is 64 MB: "
-            f"raise --shm-size); try fewer loader.num_workers (now {loader.num_workers}), a smaller "
-            f"loader.prefetch_factor (now {loader.prefetch_factor}) or loader.batch_size (now {loader.batch_size})"
-        )
+        return (f"{first}: usually the out-of-memory killer or a full /dev/shm (Docker's default is 64 MB: "
+                f"raise --shm-size); try {_lower_settings(loader)}")
     if "timed out after" in text:
         return (
             f"loader.timeout={loader.timeout}: no batch arrived from the workers in {loader.timeout} s "
             "(a worker is stuck: slow storage, a deadlock in the dataset, or a too-small timeout)"
         )
     return None
+
+
+def _lower_settings(loader: LoaderConfig) -> str:
+    """The loader settings that lower the memory in flight, each with its value now; only those that
+    can go lower (prefetch None is PyTorch's default of PREFETCH_DEFAULT batches per worker)."""
+    options = []
+    if loader.num_workers > 0:
+        options.append(f"fewer loader.num_workers (now {loader.num_workers})")
+        prefetch = policy.prefetch_in_effect(loader.num_workers, loader.prefetch_factor)
+        if prefetch > 1:
+            now = loader.prefetch_factor or f"unset: PyTorch's default, {prefetch} batches per worker"
+            options.append(f"loader.prefetch_factor=1 (now {now})")
+    if loader.batch_size > 1:
+        options.append(f"a smaller loader.batch_size (now {loader.batch_size})")
+    if not options:
+        return "a smaller dataset item or more memory: the loader settings are already at their lowest"
+    return ", ".join(options[:-1]) + (" or " if len(options) > 1 else "") + options[-1]

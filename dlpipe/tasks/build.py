@@ -61,11 +61,23 @@ def build_datasets(cfg: DlpipeConfig):
 
     check_device(cfg.trainer.device)
     dataset = _instantiate("dataset", cfg.dataset)
+    check_dataset(cfg.dataset["_target_"], dataset)
     train_set, val_set = train_val_split(dataset, cfg.trainer.val_fraction, cfg.trainer.seed)
     if val_set is not None:
         val_set = Subset(validation_view(dataset), val_set.indices)
         val_set = NamedErrors(val_set)
     return NamedErrors(train_set), val_set, dataset
+
+
+def check_dataset(target: str, dataset) -> None:
+    """What dataset._target_ built must be a dataset: validation checked a class, but a function
+    (os.getcwd) is only known by what it returns."""
+    from dlpipe.config.targets import DATASET_ALLOWED, not_a_dataset
+
+    why = not_a_dataset(type(dataset))
+    if why:
+        raise ConfigError([f"dataset._target_={target}: returned a {type(dataset).__name__} ({why}); "
+                           f"{DATASET_ALLOWED}"])
 
 
 def build_model(cfg: DlpipeConfig, dataset):
@@ -194,6 +206,7 @@ def check_objective(cfg: DlpipeConfig, objective, model, train_set, collate_fn=N
     from torch.utils.data import default_collate
 
     from dlpipe.loader.faults import SampleError
+    from dlpipe.tasks.fit_checks import model_data_mismatch
 
     items = [train_set[i] for i in range(min(2, len(train_set)))]
     try:
@@ -201,7 +214,12 @@ def check_objective(cfg: DlpipeConfig, objective, model, train_set, collate_fn=N
     except (TypeError, RuntimeError) as e:
         raise SampleError(f"dataset items 0-1 do not collate into a batch ({type(e).__name__}: {e}); variable-length "
                           "items need loader.collate_fn (e.g. dlpipe.loader.collate.PadSequences)") from e
-    return objective.check(model, batch, f"loss._target_={cfg.loss.get('_target_')}")
+    try:
+        return objective.check(model, batch, f"loss._target_={cfg.loss.get('_target_')}")
+    except DlpipeError:
+        raise
+    except Exception as e:  # the loss's own failures are ConfigErrors already: the model cannot take the batch
+        raise ConfigError([model_data_mismatch(cfg, batch, e)]) from e
 
 
 def build_metrics(cfg: DlpipeConfig, objective, prediction) -> dict:
@@ -233,12 +251,11 @@ def monitor_mode(cfg: DlpipeConfig, metrics: dict, validates: bool) -> str:
 
 def metric_direction(section: str, monitor: str | None, mode: str, metrics: dict, validates: bool) -> str:
     """min or max for a monitored metric: `auto` takes the direction from the metric (a loss is
-    minimised, a torchmetrics metric says `higher_is_better`). A validation metric must be one this
-    run logs; `section` names the setting in errors (checkpoint, trainer.early_stopping)."""
-    logged = ["val_loss", *(f"val_{name}" for name in metrics)]
-    if monitor is not None and validates and monitor.startswith("val_") and monitor not in logged:
-        raise ConfigError([f"{section}.monitor={monitor}: this run logs no such validation metric; "
-                           f"allowed: {', '.join(logged)} (or any epoch metric, e.g. train_loss)"])
+    minimised, a torchmetrics metric says `higher_is_better`). The metric must be one this run
+    logs (fit_checks.check_monitored); `section` names the setting in errors (checkpoint, trainer.early_stopping)."""
+    from dlpipe.tasks.fit_checks import check_monitored
+
+    check_monitored(section, monitor, metrics, validates)
     if mode != "auto" or monitor is None:
         return mode if mode != "auto" else "min"
     if monitor.endswith("loss"):
@@ -277,7 +294,7 @@ def build_scheduler(cfg: DlpipeConfig, optimizer, steps_per_epoch: int | None):
     import inspect
     import logging
 
-    from dlpipe.config.validation import locate
+    from dlpipe.config.targets import locate
     from dlpipe.schema import SCHEDULER_DEFAULT_INTERVAL
     from dlpipe.training.schedule import Schedule, schedule_length
 

@@ -17,7 +17,7 @@ from dlpipe import hardware
 from dlpipe.config.decisions import explain
 from dlpipe.config.validation import validate
 from dlpipe.errors import DlpipeError, first_line
-from dlpipe.redact import redact_text, redact_tree
+from dlpipe.redact import redact_logging, redact_overrides, redact_text, redact_tree
 from dlpipe.schema import DlpipeConfig, TrackingConfig
 from dlpipe.tracking.outbox import OUTBOX_FILE, connect_error
 from dlpipe.tracking.run import PARENT_RUN_ENV
@@ -33,6 +33,7 @@ class JobContext:
     overrides: list[str]
     recipe: str | None
     multirun: bool
+    argv: tuple[str, ...] = ()  # the command line as typed, for the resume hint
 
 
 def preflight(raw: dict, resolved: dict, task: str) -> tuple[DlpipeConfig, dict[str, str]]:
@@ -117,6 +118,9 @@ def check_tracking_reachable(tracking: TrackingConfig) -> None:
     """Fail in seconds, before anything is built, when the tracking server does not answer."""
     if not tracking.enabled:
         return
+    # From here on MLflow and its HTTP libraries may log the URI, password included: the console
+    # and the job's log file mask it.
+    redact_logging()
     why = connect_error(tracking.uri, tracking.request_timeout_s)
     if why:
         raise DlpipeError(f"tracking.uri={redact_text(tracking.uri)}: {why}; start the server, "
@@ -167,7 +171,7 @@ def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
     """Tags every dlpipe run carries (overrides redacted: they may hold a tracking password)."""
     tags = {
         "dlpipe.recipe": ctx.recipe or "none",
-        "dlpipe.overrides": redact_text(" ".join(ctx.overrides)) or "none",
+        "dlpipe.overrides": " ".join(redact_overrides(ctx.overrides)) or "none",
         "dlpipe.host": socket.gethostname(),
         "dlpipe.output_dir": str(ctx.output_dir),
         "mlflow.source.name": "dlpipe",
@@ -196,7 +200,7 @@ def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], re
     # Name a run by what distinguishes it: the recipe and the overrides, less the recipe itself and
     # the tracking settings that are the same for every run in the store.
     varied = [o for o in ctx.overrides if not o.lstrip("+~").startswith(("recipe=", "tracking."))]
-    name = tracking.run_name or redact_text(" ".join([ctx.recipe or "dlpipe", *varied]))
+    name = redact_text(tracking.run_name or " ".join([ctx.recipe or "dlpipe", *redact_overrides(varied)]))
     try:
         return MlflowRun(
             tracking.uri, tracking.experiment, name, tags,
@@ -204,6 +208,7 @@ def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], re
             timeout_s=tracking.request_timeout_s, retries=tracking.request_retries,
             resume_run_id=resume_run_id, outbox_path=ctx.output_dir / OUTBOX_FILE,
             retry_every_s=tracking.retry_every_s, offline_wait_s=tracking.offline_wait_s,
+            marker_dir=ctx.output_dir,
         )
     except DlpipeError:
         raise

@@ -59,7 +59,7 @@ def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str]
     tracking = cfg.tracking if ranks.is_main else replace(cfg.tracking, enabled=False)
     with stop_gracefully(job.trainer.stop, submitit_signal()), open_run(ctx, tracking, job.tags, resume_run_id) as run:
         job.run_id = run.run_id
-        run.log_params(job.params)
+        run.log_params(job.params, compared=job.config_flat)  # a resume compares config, not host facts
         run.log_text(job.resolved_yaml, "config/resolved.yaml")
         try:
             with job.failures_translated():

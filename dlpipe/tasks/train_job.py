@@ -6,6 +6,7 @@ owns its teardown (`close`).
 """
 
 import logging
+import shlex
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,6 +16,7 @@ import yaml
 
 from dlpipe import hardware
 from dlpipe.errors import DataError, DlpipeError, first_line
+from dlpipe.redact import redact_overrides
 from dlpipe.schema import DlpipeConfig
 from dlpipe.stop import StopTraining, Terminated
 from dlpipe.tasks.common import JobContext, fit_loader, flatten, gpu_for, recorded_config, run_tags, warn_about_loaders
@@ -87,6 +89,9 @@ class TrainJob:
 
     def fit(self, metrics) -> list[dict[str, float]]:
         """Start the telemetry, train every epoch left; `metrics` is the tracking run."""
+        if self.ranks.is_main:  # only now: a job refused before its run opened leaves no folder (cli)
+            self.ctx.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.ctx.output_dir / "resolved_config.yaml").write_text(self.resolved_yaml)
         self.sampler.start()
         if self.sampler.gpu_status.startswith("not available"):
             log.info("GPU metrics %s", self.sampler.gpu_status)
@@ -114,7 +119,9 @@ class TrainJob:
         """The trainer's state; with several ranks, each rank's random state too (called on every rank)."""
         state = self.trainer.state_dict(self.loader.generator)
         if self.trainer.peers is not None:
-            state["ranks"] = self.trainer.peers.gather({k: state[k] for k in ("rng", "loader_generator")})
+            # each rank's random state and its own partial loss sums (trainer_state)
+            own = ("rng", "loader_generator", "step_log", "epoch_loss")
+            state["ranks"] = self.trainer.peers.gather({k: state[k] for k in own})
         state.update(mlflow_run_id=self.run_id, config=self.config_flat)
         return state
 
@@ -156,7 +163,8 @@ class TrainJob:
         saving = self.cfg.checkpoint.enabled and stop.interrupted_epoch
         state = self.checkpoint_state() if saving else None  # every rank: it gathers their states
         if self.ranks.is_main:
-            save_stop_checkpoint(self.trainer, reason, self.store if self.cfg.checkpoint.enabled else None, state)
+            save_stop_checkpoint(self.trainer, reason, self.store if self.cfg.checkpoint.enabled else None, state,
+                                 resume_hint(self.ctx))
         if self.trainer.peers is not None:
             self.trainer.peers.barrier()  # nobody exits (and gets the job torn down) before rank 0 has saved
 
@@ -229,9 +237,6 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
         extras={"schedule": schedule, "objective": objective, "val_metrics": val_metrics, "callbacks": callbacks})
     shown = recorded_config(cfg)  # what is recorded anywhere; `cfg` itself builds the job
     resolved_yaml = yaml.safe_dump(shown, sort_keys=False)
-    if ranks.is_main:
-        ctx.output_dir.mkdir(parents=True, exist_ok=True)
-        (ctx.output_dir / "resolved_config.yaml").write_text(resolved_yaml)
     config_flat = flatten(shown)
     ck = cfg.checkpoint
     folder = Path(ck.dir) if ck.dir else ctx.output_dir / "checkpoints"
@@ -295,7 +300,17 @@ def resume_point(store, policy: str, ranks) -> tuple[dict | None, Path | None]:
     return load(Path(path)), Path(path)
 
 
-def save_stop_checkpoint(trainer, reason: str, store, state: dict | None) -> None:
+def resume_hint(ctx: JobContext) -> str:
+    """How to continue this job: the same overrides in the same output folder. Hydra's default folder
+    is named after the launch time, so "the same command" alone would start over in a new one."""
+    # A sweep job's folder is the sweep's plus its job number: the same sweep in the same folder
+    # gives each job its folder back.
+    key, folder = ("hydra.sweep.dir", ctx.output_dir.parent) if ctx.multirun else ("hydra.run.dir", ctx.output_dir)
+    kept = [a for a in ctx.argv if not a.startswith(f"{key}=")]
+    return f"resume with: dlpipe {shlex.join([*redact_overrides(kept), f'{key}={folder}'])}"
+
+
+def save_stop_checkpoint(trainer, reason: str, store, state: dict | None, hint: str) -> None:
     """Write the interrupted epoch's checkpoint (rank 0), or say why there is none."""
     from dlpipe.training.checkpoint import save_atomic
 
@@ -312,8 +327,8 @@ def save_stop_checkpoint(trainer, reason: str, store, state: dict | None) -> Non
     path = store.epoch_path(epoch)
     path.parent.mkdir(parents=True, exist_ok=True)  # a stop in the first epoch comes before any save
     save_atomic(state, path)  # not store.save: pruning would count it and drop a finished epoch
-    log.warning("stopped by %s in epoch %d after batch %d: saved %s; run the same command to resume",
-                reason, epoch, trainer.stop.at_batch, path)
+    log.warning("stopped by %s in epoch %d after batch %d: saved %s; %s", reason, epoch, trainer.stop.at_batch,
+                path, hint)
 
 
 def out_of_memory_advice(cfg: DlpipeConfig, error: BaseException) -> str:

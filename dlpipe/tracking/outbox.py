@@ -8,20 +8,32 @@ output directory, so even a process that dies while the server is away leaves a 
 
 import json
 import logging
+import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from dlpipe.disk import write_failure
+from dlpipe.redact import without_password
+from dlpipe.tracking.http_probe import http_silence
+
 log = logging.getLogger(__name__)
 
 OUTBOX_FILE = "mlflow_outbox.jsonl"
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+# SQLite's words for a store that cannot take a write now but can later, once space is freed,
+# another process lets go of its lock or the mount is writable again: an outage, like a server's.
+LOCAL_STORE_FAULTS = ("database or disk is full", "database is locked", "attempt to write a readonly database",
+                      "disk I/O error", "unable to open database file")
 
 
 def unreachable(exc: BaseException) -> bool:
-    """True when `exc` means the server could not be reached (refused, timed out, reset, 5xx after
-    retries), as opposed to the server answering that a request is wrong."""
+    """True when `exc` means the store could not take the write now (a server refused, timed out,
+    reset, 5xx after retries; a SQLite store full, locked or read-only), as opposed to the store
+    answering that a request is wrong."""
+    import sqlite3
+
     import requests
     from mlflow.exceptions import MlflowException, RestException
 
@@ -31,13 +43,15 @@ def unreachable(exc: BaseException) -> bool:
     while seen is not None:
         if isinstance(seen, (OSError, requests.RequestException)):
             return True
+        if isinstance(seen, sqlite3.OperationalError) and any(fault in str(seen) for fault in LOCAL_STORE_FAULTS):
+            return True
         seen = seen.__cause__ or seen.__context__
     # MLflow wraps a failed request in a bare MlflowException without chaining it in some paths
     return isinstance(exc, MlflowException) and str(exc).startswith("API request to")
 
 
 def connect_error(uri: str, timeout_s: float) -> str | None:
-    """Why an http(s) tracking URI cannot be reached (None when a TCP connect succeeds).
+    """Why an http(s) tracking URI cannot be reached (None when it answers HTTP: tracking.http_probe).
 
     A connect costs nothing when the port is closed and at most `timeout_s` when packets go
     nowhere, so it answers long before an MLflow request with retries would. Other stores (SQLite,
@@ -48,8 +62,8 @@ def connect_error(uri: str, timeout_s: float) -> str | None:
         return None
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
-            return None
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s) as conn:
+            return http_silence(conn, parts, timeout_s)
     except TimeoutError:
         return f"no answer from {parts.hostname}:{port} within {timeout_s:g} s"
     except OSError as e:
@@ -60,21 +74,48 @@ def connect_error(uri: str, timeout_s: float) -> str | None:
 class Outbox:
     """Undelivered writes of one run, in the order they were made."""
 
-    uri: str
+    uri: str  # as given; the file keeps it without its password
     run_id: str
     path: Path | None = None
     entries: list[dict] = field(default_factory=list)
+    owner: dict = field(default_factory=dict)  # the writing process (tracking.abandoned.Owner's fields)
+    password_removed: bool = False  # loaded from a file whose URI had a password: `dlpipe sync` needs it
+    file_error: str | None = None  # why the file could not be written last time (see add)
+
+    def head(self) -> dict:
+        """The file's first line: where the entries belong and who wrote them (no password)."""
+        uri = without_password(self.uri)
+        return {"uri": uri, "run_id": self.run_id, "password_removed": self.password_removed or uri != self.uri,
+                **self.owner}
 
     def add(self, entry: dict) -> None:
+        """Keep `entry` in memory and append it to the file. A file that cannot be written (its disk
+        is full too) must not stop training: the entries stay in memory, and the next add rewrites
+        the whole file, since the append that failed may have left a torn line."""
         self.entries.append(entry)
         if self.path is None:
             return
-        new = not self.path.exists()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            if new:  # the first line says where the entries belong
-                f.write(json.dumps({"uri": self.uri, "run_id": self.run_id}) + "\n")
-            f.write(json.dumps(entry) + "\n")
+        try:
+            if self.file_error is not None:
+                self._rewrite()
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                # owner-only (0600): the entries may be as private as the run itself
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                with os.fdopen(fd, "a") as f:
+                    if f.tell() == 0:  # the first line says where the entries belong
+                        f.write(json.dumps(self.head()) + "\n")
+                    f.write(json.dumps(entry) + "\n")
+        except OSError as e:
+            self.path.with_suffix(".tmp").unlink(missing_ok=True)  # a rewrite that failed half-way
+            if self.file_error is None:
+                log.warning("%s cannot be written (%s): the writes not yet delivered are kept in memory and "
+                            "written there once it can be", self.path, write_failure(e, self.path))
+            self.file_error = str(e)
+            return
+        if self.file_error is not None:
+            log.warning("%s written again: it holds every write not yet delivered", self.path)
+            self.file_error = None
 
     def metrics(self, metrics: list) -> None:
         if metrics:
@@ -140,8 +181,9 @@ class Outbox:
             self.path.unlink(missing_ok=True)
             return
         tmp = self.path.with_suffix(".tmp")
-        lines = [{"uri": self.uri, "run_id": self.run_id}, *self.entries]
-        tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        lines = [self.head(), *self.entries]
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write("".join(json.dumps(line) + "\n" for line in lines))
         tmp.replace(self.path)
 
     @classmethod
@@ -157,4 +199,5 @@ class Outbox:
                 entries.append(json.loads(line))
             except json.JSONDecodeError:
                 log.warning("%s:%d is incomplete (the process was killed while writing it): skipped", path, number)
-        return cls(head["uri"], head["run_id"], path, entries)
+        owner = {k: head[k] for k in ("host", "pid", "started") if k in head}
+        return cls(head["uri"], head["run_id"], path, entries, owner, bool(head.get("password_removed")))

@@ -21,12 +21,16 @@ which waits up to `offline_wait_s` for the server before leaving the file to `dl
 import logging
 import os
 import time
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
 from dlpipe.errors import DlpipeError, first_line, user_message
+from dlpipe.redact import redact_text
 from dlpipe.stop import Terminated
+from dlpipe.tracking.abandoned import END_REASON_TAG, Owner, close_previous, write_marker
 from dlpipe.tracking.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, unreachable
+from dlpipe.tracking.store_lock import store_opening
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +48,13 @@ def client_for(uri: str, timeout_s: float, retries: int):
     # a sweep sets its own), rather than whatever an earlier job or the shell left behind.
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(timeout_s, 1)))
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(retries)
+    if redact_text(uri) != uri:  # MLflow prints "View run ... at: <the URI, password included>"
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     logging.getLogger("alembic").setLevel(logging.WARNING)  # schema migrations of a new SQLite store
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    with store_opening(uri):  # the client opens (creates, migrates) the store: one process at a time
+        return MlflowClient(tracking_uri=uri)
 
 
 def experiment_id(client, name: str) -> str:
@@ -77,10 +84,12 @@ class MlflowRun:
     def __init__(self, uri: str, experiment: str, run_name: str | None, tags: dict[str, str],
                  parent_run_id: str | None = None, timeout_s: float = 10.0, retries: int = 2,
                  resume_run_id: str | None = None, outbox_path: Path | None = None,
-                 retry_every_s: float = 30.0, offline_wait_s: float = 30.0):
+                 retry_every_s: float = 30.0, offline_wait_s: float = 30.0, marker_dir: Path | None = None):
         """A new run, or with `resume_run_id` the run a checkpoint was written by, reopened.
 
         `outbox_path` is where writes the server could not take are kept while it is away.
+        `marker_dir` (a job's output folder) records which run this process opened; a run an
+        earlier job there left RUNNING is ended first (tracking.abandoned).
         """
         self.uri = uri
         self.client = client_for(uri, timeout_s, retries)
@@ -96,14 +105,20 @@ class MlflowRun:
         tags = dict(tags)
         if parent_run_id:
             tags[PARENT_TAG] = parent_run_id
+        if marker_dir is not None:
+            close_previous(self.client, marker_dir, uri, resume_run_id)
         if resume_run_id and self._reopen(resume_run_id):
             self.run_id = resume_run_id
             self.resumed = True
         else:
             self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
-        self.outbox = Outbox(uri, self.run_id, outbox_path)
+        if marker_dir is not None:
+            write_marker(marker_dir, self.run_id, uri)
+        self.outbox = Outbox(uri, self.run_id, outbox_path, owner=asdict(Owner.this_process()))
         if outbox_path is not None and outbox_path.exists():
             self._send_left_over(outbox_path)
+        # (key, step) already in a reopened run: a resume from an older checkpoint repeats epochs
+        self._logged_steps = self._latest_steps() if self.resumed else {}
         if self.resumed:
             self.set_tags(tags)
 
@@ -130,17 +145,26 @@ class MlflowRun:
             log.warning("the checkpoint's MLflow run %s belongs to another experiment: starting a new run", run_id)
             return False
         self.client.update_run(run_id, status="RUNNING")
+        if END_REASON_TAG in run.data.tags:  # why the attempt before ended; this one has not
+            self.client.delete_tag(run_id, END_REASON_TAG)
         return True
 
-    def log_params(self, params: dict[str, object]) -> None:
+    def _latest_steps(self) -> dict[str, int]:
+        """The newest step of each metric the run holds (MLflow keeps each key's latest Metric)."""
+        run = self.client.get_run(self.run_id)
+        return {m.key: m.step for m in run.data._metric_objs}  # no public accessor for the steps
+
+    def log_params(self, params: dict[str, object], compared=None) -> None:
         """Log params; on a reopened run, only new ones (MLflow params cannot change) and tag the
-        keys whose values differ from what the run recorded first."""
+        keys whose values differ from what the run recorded first, among `compared` (the config's
+        keys: host facts such as free memory differ on every start and say nothing), default all."""
         from mlflow.entities import Param
 
         values = {k: _clip(v) for k, v in params.items()}
         if self.resumed:
             logged = self.client.get_run(self.run_id).data.params
-            changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v)
+            compared = set(values if compared is None else compared)
+            changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v and k in compared)
             if changed:
                 self.set_tags({"dlpipe.resumed_changed_params": ", ".join(changed)})
             values = {k: v for k, v in values.items() if k not in logged}
@@ -172,6 +196,9 @@ class MlflowRun:
         from mlflow.entities import Metric
 
         pending, self._pending = self._pending, []
+        if self._logged_steps:
+            logged = self._logged_steps
+            pending = [row for row in pending if row[3] > logged.get(row[0], row[3] - 1)]
         for i in range(0, len(pending), MAX_METRICS_PER_BATCH):
             batch = [Metric(*row) for row in pending[i : i + MAX_METRICS_PER_BATCH]]
             # _write calls one of the two now, so binding `batch` per iteration is only for clarity
@@ -201,7 +228,7 @@ class MlflowRun:
     def _went_away(self, error: Exception) -> None:
         self.offline_since = self._last_attempt = time.monotonic()
         log.warning("tracking server unreachable (%s): training continues; metrics are kept in %s and "
-                    "sent when it is back", first_line(error)[:200], self.outbox.path or "memory")
+                    "sent when it is back", redact_text(first_line(error))[:200], self.outbox.path or "memory")
 
     def _reconnect(self, force: bool = False) -> bool:
         """Deliver the kept writes if the server answers again (tried at most every retry_every_s)."""
@@ -230,7 +257,7 @@ class MlflowRun:
         try:
             self.flush()  # a failed or killed run keeps the metrics it measured
             if reason:
-                self.set_tags({"dlpipe.end_reason": reason})
+                self.set_tags({END_REASON_TAG: reason})
         finally:
             deadline = time.monotonic() + self.offline_wait_s
             while self.offline_since is not None and time.monotonic() < deadline:
@@ -275,7 +302,7 @@ class NullRun:
     run_id = None
     status = None
 
-    def log_params(self, params): ...
+    def log_params(self, params, compared=None): ...
     def set_tags(self, tags): ...
     def log_metrics(self, metrics, step): ...
     def flush(self): ...

@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dlpipe.redact import redact_text
+from dlpipe.redact import redact_overrides
 from dlpipe.stop import STOP_SIGNALS, Terminated
 from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG, client_for, experiment_id
 from dlpipe.tracking.sweep_report import job_names, sweep_plot, sweep_table
@@ -49,7 +49,7 @@ class SweepTracking(Callback):
             return
         self.client = client_for(tracking["uri"], tracking["request_timeout_s"], tracking["request_retries"])
         exp = experiment_id(self.client, tracking["experiment"])
-        overrides = redact_text(" ".join(config.hydra.overrides.task)) or "none"
+        overrides = " ".join(redact_overrides(config.hydra.overrides.task)) or "none"
         recipe = config.hydra.runtime.choices.get("recipe") or "dlpipe"
         run = self.client.create_run(
             exp,
@@ -84,7 +84,7 @@ class SweepTracking(Callback):
         tracking = OmegaConf.to_container(config.tracking, resolve=True)
         client = self.client or client_for(tracking["uri"], tracking["request_timeout_s"], tracking["request_retries"])
         job_num = config.hydra.job.get("num", 0)
-        client.set_tag(parent, f"{FAILED_TAG_PREFIX}{job_num}", redact_text(" ".join(job_return.overrides or [])))
+        client.set_tag(parent, f"{FAILED_TAG_PREFIX}{job_num}", " ".join(redact_overrides(job_return.overrides or [])))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         self._finish(ended_cleanly=True)

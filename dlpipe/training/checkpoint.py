@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from dlpipe.disk import write_failure
 from dlpipe.errors import DlpipeError
 
 # Temp files are dot-files ending in ".<pid>.tmp" (see _temp_path); nothing else in a checkpoint
@@ -75,9 +76,15 @@ def save_atomic(state: dict, path: Path) -> None:
     path = Path(path)
     try:
         _write_atomic(path, lambda f: torch.save(state, f))
-    except OSError as e:
-        # Disk full, permissions, read-only mount: things a user fixes, so no traceback.
-        raise CheckpointError(f"checkpoint {path}: cannot be written ({_short_reason(e)})") from e
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        raise _cannot_write(path, e) from e
+
+
+def _cannot_write(path: Path, exc: BaseException) -> CheckpointError:
+    # Disk full, permissions, read-only mount: things a user fixes, so one line, no traceback. The
+    # temp file is gone and the files already there were never touched (see _write_atomic).
+    return CheckpointError(f"checkpoint {path}: cannot be written ({write_failure(exc, path)}); "
+                           "the checkpoints written before are kept")
 
 
 def _short_reason(exc: BaseException) -> str:
@@ -169,8 +176,11 @@ class CheckpointStore:
         """Write epoch-NNNN.pt (and best.pt/best.json when the monitored metric improves), then prune."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch={epoch!r}: must be an integer >= 0")
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.epoch_path(epoch)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _cannot_write(path, e) from e
         save_atomic(state, path)
         if self.monitor is not None and self.monitor in metrics:
             value = float(metrics[self.monitor])
@@ -182,7 +192,7 @@ class CheckpointStore:
                 try:
                     _write_atomic(self.best_json, lambda f: f.write(json.dumps(record).encode()))
                 except OSError as e:
-                    raise CheckpointError(f"checkpoint {self.best_json}: cannot be written ({_short_reason(e)})") from e
+                    raise _cannot_write(self.best_json, e) from e
                 self.best_value = value
         self._prune(keep=path)
         return path

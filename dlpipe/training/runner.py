@@ -15,7 +15,7 @@ from dlpipe.console import Progress
 from dlpipe.schema import TrainerConfig
 from dlpipe.stop import StopRequest, StopTraining
 from dlpipe.telemetry.sampler import EpochClock, ResourceSampler
-from dlpipe.training import rng
+from dlpipe.training import rng, trainer_state
 from dlpipe.training.accumulation import Window, epoch_batches
 
 # Also importable from here: tests and benchmarks drive the loop with these names.
@@ -23,10 +23,11 @@ from dlpipe.training.batches import non_blocking_copies, to_device, workers_died
 from dlpipe.training.callbacks import Callbacks
 from dlpipe.training.evaluate import evaluate
 from dlpipe.training.net import autocast_for, training_net
+from dlpipe.training.nonfinite import NonFiniteGuard
 from dlpipe.training.objective import Objective
 from dlpipe.training.protocols import MetricSink, NoMetrics, Peers
-from dlpipe.training.schedule import Schedule, current_lrs, lr_metrics, restore
-from dlpipe.training.step_log import StepLog, gradient_norm
+from dlpipe.training.schedule import Schedule, current_lrs, lr_metrics
+from dlpipe.training.step_log import LossSum, StepLog, gradient_norm
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,11 @@ class Trainer:
         self.objective = objective or Objective()  # cross-entropy on (input, target) batches
         # torchmetrics objects by name, logged as val_<name>; their states live on the device
         self.val_metrics = {k: m.to(self.device) for k, m in (val_metrics or {}).items()}
-        self._epoch_start_generator = None
-        self._resume: tuple[int, dict] | None = None
+        self.epoch_start_generator = None
+        self.pending_resume: tuple[int, dict, dict | None] | None = None  # (batches done, RNG states, epoch loss)
         self.step_log = StepLog(settings.log_every, self.device)  # train_loss_step, lr, grad_norm
+        self.epoch_loss = LossSum(self.device)  # this epoch's train_loss, summed on the device
+        self.guard = NonFiniteGuard(settings.on_nonfinite, settings.log_every, self.device, settings.amp)
         self.history: list[dict[str, float]] = []
         self.callbacks = callbacks or Callbacks()
         self.stopped_early: str | None = None  # why a callback ended training (the run still FINISHES)
@@ -97,43 +100,13 @@ class Trainer:
         self.stopped_early = self.stopped_early or reason
 
     def state_dict(self, loader_generator: torch.Generator | None = None) -> dict:
-        """Everything needed to continue exactly where training stopped, as plain containers and
-        tensors (loadable with torch.load(weights_only=True)): after the last finished epoch, or,
-        after a stop request, after the last optimizer step of the interrupted epoch."""
-        mid_epoch = self.stop.interrupted_epoch
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "step": self.step,
-            "epoch": len(self.history),  # finished epochs
-            "batches_done": self.stop.at_batch or 0,  # of the next epoch; always at an optimizer step
-            "history": [dict(r) for r in self.history],
-            "scheduler": self.schedule.state_dict() if self.schedule is not None else None,
-            "rng": rng.capture(),
-            # The shuffling order and worker seeds of an epoch come from this generator: after a
-            # stop, its state from the start of the interrupted epoch, so resuming replays it.
-            "loader_generator": (
-                self._epoch_start_generator if mid_epoch
-                else loader_generator.get_state() if loader_generator is not None else None
-            ),
-        }
+        """Everything needed to continue exactly where training stopped, logged sums included
+        (dlpipe.training.trainer_state)."""
+        return trainer_state.capture(self, loader_generator)
 
     def load_state_dict(self, state: dict, loader_generator: torch.Generator | None = None) -> None:
         """Restore a state_dict(); fit() then continues with the epoch after state["epoch"]."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.step = int(state["step"])
-        self.history = [dict(r) for r in state["history"]]
-        restore(self.schedule, state.get("scheduler"))  # checkpoints from before schedules have none
-        rng.restore(state["rng"])
-        if loader_generator is not None and state["loader_generator"] is not None:
-            loader_generator.set_state(state["loader_generator"])
-        if state.get("batches_done", 0):
-            # train_epoch replays the interrupted epoch's first batches without training on them,
-            # then puts these RNG states back (fetching those batches may have drawn from them).
-            self._resume = (int(state["batches_done"]), state["rng"])
+        trainer_state.restore(self, state, loader_generator)
 
     def fit(self, train_loader, val_loader=None) -> list[dict[str, float]]:
         """Run every epoch after those already in `history` (or until max_steps); return all epochs' metrics."""
@@ -191,7 +164,7 @@ class Trainer:
         clock = EpochClock(h2d_s=0.0 if self.device.type != "cpu" else None)
         non_blocking = non_blocking_copies(self.device, loader)
         window = Window(s.accumulate, getattr(loader, "batch_size", None))
-        loss_sum = torch.zeros((), device=self.device)  # stays on device: no sync per step
+        sums = (self.epoch_loss, self.step_log.pending)  # on the device: no sync per step
         while total is None or done < total:
             batch = self._next_batch(iterator, window.micro > 0, done)
             if batch is _END:
@@ -209,9 +182,7 @@ class Trainer:
                 with self._autocast():
                     loss = self.objective.loss(*self.objective.forward(self.net, batch))
                 self.scaler.scale(loss * scale).backward()
-            detached = loss.detach()
-            loss_sum.add_(detached, alpha=n)  # in place, one op: this runs every micro-step
-            self.step_log.add(detached, n)
+            self.guard.add(loss.detach(), n, sums)
             if steps_now:
                 self._optimizer_step(window)
             if self.profiler is not None:
@@ -228,12 +199,13 @@ class Trainer:
                 break
         if window.micro:  # ended mid-window (the loader ran short of `total`, or has no length): step on it too
             self._optimizer_step(window)
+        self.guard.check(self.step_log.pending, self.step, self.optimizer, self.peers)
         # (The StopIteration that ends an epoch is where non-persistent workers are joined: that
         # wait counts in epoch_time_s but not in data wait.)
         del iterator
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the epoch's GPU work belongs to this epoch's time
-        return self._epoch_stats(clock, loss_sum, progress, done)
+        return self._epoch_stats(clock, progress, done)
 
     def _batches_per_epoch(self, loader) -> int | None:
         """Micro-batches to train on this epoch: the loader's length (None without one), capped
@@ -247,15 +219,18 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)  # the epoch's cuda_max_allocated_mb
         generator = getattr(loader, "generator", None)
         # state_dict() after a stop saves this: resuming replays the interrupted epoch's order
-        self._epoch_start_generator = generator.get_state() if generator is not None else None
-        pending, self._resume = self._resume, None
+        self.epoch_start_generator = generator.get_state() if generator is not None else None
+        pending, self.pending_resume = self.pending_resume, None
+        self.epoch_loss.reset()
         sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)  # the order depends on (seed, epoch) only: resumable, like DistributedSampler
         iterator = iter(loader)
         if pending is None:
             return iterator, 0
-        done, resume_rng = pending
+        done, resume_rng, epoch_loss = pending
+        if epoch_loss is not None:  # the interrupted epoch's train_loss goes on from its batches so far
+            self.epoch_loss.load_state_dict(epoch_loss)
         for _ in range(done):  # resuming mid-epoch: same order and worker seeds, so skip what was trained
             if next(iterator, None) is None:
                 break  # the epoch is shorter than when the checkpoint was written (batch size changed)
@@ -289,14 +264,14 @@ class Trainer:
         clock.h2d_s += time.perf_counter() - started
         return moved
 
-    def _epoch_stats(
-        self, clock: EpochClock, loss_sum: torch.Tensor, progress: Progress, done: int
-    ) -> dict[str, float]:
-        stats = clock.summary()
+    def _epoch_stats(self, clock: EpochClock, progress: Progress, done: int) -> dict[str, float]:
+        stats = clock.summary()  # timings: of this attempt only, when the epoch was resumed
         if self.device.type == "cuda":
             stats["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
             stats["cuda_reserved_mb"] = torch.cuda.memory_reserved(self.device) / 2**20
-        stats["train_loss"] = (loss_sum / max(clock.samples, 1)).item()  # one sync per epoch
+        stats["train_loss"] = self.epoch_loss.mean()  # one sync per epoch; the whole epoch's, resumed or not
+        if self.guard.window is not None:
+            stats["skipped_steps"] = float(self.guard.skipped)
         progress.close(done, stats["samples_per_s"], stats["data_wait_frac"])
         return stats
 
@@ -313,23 +288,21 @@ class Trainer:
     def _optimizer_step(self, window: Window) -> None:
         """Step on the window's gradients, start the next window, and do the every-N-steps work."""
         s = self.settings
-        window.mean_over_samples(self.optimizer)  # before clipping: a partial window clips its mean too
         logged = self.step_log.due(self.step + 1)
         norm = None
-        if s.grad_clip > 0 or logged:
-            # Clip and measure the true gradients, not fp16's scaled ones (step() then skips its unscale).
-            self.scaler.unscale_(self.optimizer)
-            norm = gradient_norm(self.model, s.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        # skip_step: a non-finite loss in this window drops its gradients instead of stepping on them
+        if not self.guard.skips((self.epoch_loss, self.step_log.pending), self.step + 1, self.peers):
+            norm = self._update(window, logged)
         self.optimizer.zero_grad(set_to_none=True)
         window.clear()
         self.step += 1
+        self.guard.mark(self.step_log.pending, self.step)
         if s.empty_cache_every and self.step % s.empty_cache_every == 0:
             self.empty_cache()
             log.info("step %d: released cached CUDA memory (trainer.empty_cache_every=%d)",
                      self.step, s.empty_cache_every)
         if logged:
+            self.guard.check(self.step_log.pending, self.step, self.optimizer, self.peers)  # before the log resets
             self.step_log.record(self.step, self.optimizer, norm, self.metrics, self.peers)
         if self.schedule is not None:
             self.schedule.after_step(self.optimizer)  # after the log: `lr` is the one this step used
@@ -339,6 +312,18 @@ class Trainer:
             # CPU-GPU sync point, on purpose and rarely: without it the host runs ahead and
             # GPU time shows up later as "data wait" of whichever step blocks first.
             torch.cuda.synchronize(self.device)
+
+    def _update(self, window: Window, logged: bool) -> torch.Tensor | None:
+        """optimizer.step on the window's mean gradients, clipped; returns their norm when measured."""
+        window.mean_over_samples(self.optimizer)  # before clipping: a partial window clips its mean too
+        norm = None
+        if self.settings.grad_clip > 0 or logged:
+            # Clip and measure the true gradients, not fp16's scaled ones (step() then skips its unscale).
+            self.scaler.unscale_(self.optimizer)
+            norm = gradient_norm(self.model, self.settings.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return norm
 
     def validate(self, loader) -> dict[str, float]:
         """val_loss and every validation metric over the whole split (training.evaluate)."""

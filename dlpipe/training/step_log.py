@@ -17,17 +17,45 @@ def gradient_norm(model: torch.nn.Module, clip: float) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
 
 
-class StepLog:
-    """The loss summed since the last log, kept on the device (adding to it costs no sync)."""
+class LossSum:
+    """A loss summed over samples, kept on the device: adding to it costs no sync."""
 
-    def __init__(self, every: int, device: torch.device):
-        self.every = every
-        self.loss = torch.zeros((), device=device)
+    def __init__(self, device: torch.device):
+        self.total = torch.zeros((), device=device)
         self.samples = 0
 
     def add(self, loss: torch.Tensor, n: int) -> None:
-        self.loss.add_(loss, alpha=n)  # in place, one op: this runs every micro-step
+        self.total.add_(loss, alpha=n)  # in place, one op: this runs every micro-step
         self.samples += n
+
+    def merge(self, other: "LossSum") -> None:
+        self.total.add_(other.total)
+        self.samples += other.samples
+
+    def mean(self) -> float:
+        """The mean over the samples (a CPU-GPU sync point); nan when none were added."""
+        return (self.total / self.samples).item() if self.samples else math.nan
+
+    def reset(self) -> None:
+        self.total.zero_()
+        self.samples = 0
+
+    def state_dict(self) -> dict:
+        """Plain numbers for a checkpoint (a sync). float32 -> Python float -> float32 is exact, so a
+        restored sum goes on adding to the very same value."""
+        return {"loss_sum": self.total.item(), "samples": self.samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total.fill_(state["loss_sum"])
+        self.samples = int(state["samples"])
+
+
+class StepLog:
+    """The loss summed since the last log (`pending`), kept on the device."""
+
+    def __init__(self, every: int, device: torch.device):
+        self.every = every
+        self.pending = LossSum(device)
 
     def due(self, step: int) -> bool:
         """Whether optimizer step `step` (counted from 1) is logged."""
@@ -38,13 +66,14 @@ class StepLog:
         """Log the step's metrics; call it after the optimizer step and before the schedule moves
         the lr, so `lr` is the one this step used."""
         # .item() is a CPU-GPU sync point: only once every log_every steps.
-        loss_sum, samples = self.loss.item(), self.samples
+        loss_sum, samples = self.pending.total.item(), self.pending.samples
         if peers is not None:
             loss_sum, samples = peers.sum([loss_sum, samples])
-        values = {"train_loss_step": loss_sum / max(samples, 1), **lr_metrics(current_lrs(optimizer))}
+        values = lr_metrics(current_lrs(optimizer))
+        if samples:  # none when trainer.on_nonfinite=skip_step skipped every step since the last log
+            values["train_loss_step"] = loss_sum / samples
         if grad_norm is not None:
             # Every rank holds the same, all-reduced gradients, so rank 0's norm is the job's.
             values["grad_norm"] = grad_norm.item()
         metrics.log_metrics(values, step=step)
-        self.loss.zero_()
-        self.samples = 0
+        self.pending.reset()

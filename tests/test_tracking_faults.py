@@ -1,0 +1,329 @@
+"""Tracking under real faults: jobs opening a new SQLite store at once, jobs killed with SIGKILL
+(before their first checkpoint; during a server outage, then `dlpipe sync` over broken outboxes),
+reopened runs, and credentials given on the command line, in a config file and in the environment."""
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from conftest import NO_PHONE_HOME, TESTS_DIR, runs_of
+from mlflow_server import free_port, start_server, stop_tree
+from test_tracking_outage import wait_for
+
+from dlpipe.tracking.abandoned import MARKER_FILE, Owner
+from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox
+from dlpipe.tracking.run import MlflowRun, client_for
+from dlpipe.tracking.store_lock import store_opening
+
+WARNING = "tracking server unreachable"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(url, store folder) of a real `mlflow server` on 127.0.0.1, stopped when the module ends."""
+    root = tmp_path_factory.mktemp("server")
+    try:
+        proc = start_server(root, port := free_port())
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    try:
+        yield f"http://127.0.0.1:{port}", root
+    finally:
+        stop_tree(proc)
+
+
+class Proxy:
+    """A TCP forwarder from 127.0.0.1:port to the server: stop() closes it and every connection
+    through it (to a client, the server went away: refused connects, reset requests); start()
+    opens it again on the same port (the server is back)."""
+
+    def __init__(self, target_url: str):
+        self.target = int(target_url.rsplit(":", 1)[1])
+        self.port = free_port()
+        self.url = f"127.0.0.1:{self.port}"
+        self.sockets: list[socket.socket] = []
+
+    def start(self) -> None:
+        listener = socket.create_server(("127.0.0.1", self.port))
+        self.sockets.append(listener)
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def stop(self) -> None:
+        for s in self.sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes the threads blocked in accept/recv on it
+            except OSError:
+                continue  # the peer closed it already; nothing left to wake
+            finally:
+                s.close()
+        self.sockets = []
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # stop() closed the listener
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)  # pass the end of the stream on
+        except OSError:
+            return  # stop() closed one side: the connection is gone, as intended
+
+
+def spawn(cwd: Path, log: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    """The real CLI in the background, its output in `log`."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_"))}
+    full_env.update(NO_PHONE_HOME, PYTHONPATH=str(TESTS_DIR), **(env or {}))
+    return subprocess.Popen([sys.executable, "-m", "dlpipe", *args], cwd=cwd, env=full_env, stdin=subprocess.DEVNULL,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+# -- 1. concurrent first use of a SQLite store ------------------------------------------------
+
+
+def test_store_lock_is_held_while_a_client_opens_the_store(tmp_path):
+    """client_for waits for `<db>.lock`: while the test holds it, a thread opening the store is
+    blocked in flock (the kernel lists it as waiting) and the database is not created; released,
+    the thread creates it. Other stores take no lock."""
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    fd = os.open(tmp_path / "mlflow.db.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    opened = []
+    thread = threading.Thread(target=lambda: opened.append(client_for(uri, 5, 0)), daemon=True)
+    try:
+        thread.start()
+        inode = os.fstat(fd).st_ino
+        wait_for(lambda: _waiting_on(inode), None, "the thread to wait for the lock")
+        assert not db.exists() and not opened
+    finally:
+        os.close(fd)  # releases the lock
+    thread.join(timeout=120)
+    assert opened and db.exists()
+    with store_opening(uri):  # the lock is taken only inside the block
+        probe = os.open(tmp_path / "mlflow.db.lock", os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(probe)
+    with store_opening("http://127.0.0.1:1"):
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "mlflow.db.lock"]
+
+
+def _waiting_on(inode: int) -> bool:
+    """True when /proc/locks shows a process blocked on a flock of `inode` (a '->' line)."""
+    lines = Path("/proc/locks").read_text().splitlines()
+    return any("->" in line and "FLOCK" in line and line.split()[-3].endswith(f":{inode}") for line in lines)
+
+
+def test_jobs_started_at_once_on_a_new_store_all_run(tmp_path):
+    """Three real jobs started together in an empty folder share the default SQLite store: every
+    one starts (no schema-migration race) and ends FINISHED."""
+    procs = [spawn(tmp_path, tmp_path / f"r{i}.txt", "+recipe=tabular", "dataset.size=256", "trainer.epochs=1",
+                   "loader.num_workers=0", "trainer.progress=false", f"hydra.run.dir=r{i}") for i in range(3)]
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            kill(p)
+    assert codes == [0, 0, 0], [(tmp_path / f"r{i}.txt").read_text()[-2000:] for i in range(3)]
+    client = client_for(f"sqlite:///{tmp_path / 'mlflow.db'}", 10, 0)
+    assert sorted(r.info.status for r in runs_of(client, "dlpipe")) == ["FINISHED"] * 3
+
+
+# -- 4. runs whose process was killed --------------------------------------------------------
+
+
+def test_owner_gone_or_alive():
+    """A reaped process is gone; this one is alive; a reused pid (other start time) is not the
+    owner; another host cannot be checked and is said to be."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    me = Owner.this_process()
+    assert "is gone" in Owner(me.host, int(done.stdout), me.started).gone()
+    assert me.gone() is None
+    assert "is gone" in Owner(me.host, me.pid, me.started - 100).gone()
+    assert "ran on host elsewhere, which cannot be checked" in Owner("elsewhere", me.pid, me.started).gone()
+
+
+def test_rerun_ends_the_run_a_killed_job_left_running(tmp_path):
+    """A job SIGKILLed before its first checkpoint leaves its run RUNNING; the next job in the same
+    output folder ends it KILLED (tagged as found abandoned) and trains in a new run."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = ["--config-dir", str(TESTS_DIR / "conf"), "dataset=slow", "model=mlp", "model.in_features=4",
+              "loader.num_workers=0", "trainer.progress=false", "trainer.epochs=1", "trainer.val_fraction=0",
+              f"tracking.uri={store}", "tracking.experiment=abandoned", "hydra.run.dir=out"]
+    first = spawn(tmp_path, tmp_path / "first.txt", *common, "dataset.size=4000", "dataset.delay_s=0.01")
+    try:
+        wait_for(lambda: (tmp_path / "out" / MARKER_FILE).exists() or first.poll() is not None, first, "the run")
+        assert first.poll() is None, (tmp_path / "first.txt").read_text()
+        killed_pid = first.pid
+    finally:
+        kill(first)
+    assert not list((tmp_path / "out").glob("checkpoints/*.pt"))  # killed before its first checkpoint
+    again = spawn(tmp_path, tmp_path / "again.txt", *common, "dataset.size=40", "dataset.delay_s=0")
+    try:
+        assert again.wait(timeout=300) == 0, (tmp_path / "again.txt").read_text()
+    finally:
+        kill(again)
+    assert "was left RUNNING" in (tmp_path / "again.txt").read_text()
+    runs = {r.info.status: r for r in runs_of(client_for(store, 10, 0), "abandoned")}
+    assert sorted(runs) == ["FINISHED", "KILLED"]
+    assert runs["KILLED"].data.tags["dlpipe.end_reason"].startswith(f"found abandoned: its process {killed_pid} ")
+    assert json.loads((tmp_path / "out" / MARKER_FILE).read_text())["run_id"] == runs["FINISHED"].info.run_id
+
+
+def test_sync_ends_a_run_killed_during_an_outage_and_survives_broken_outboxes(tmp_path, server, dlpipe):
+    """A job with a password in tracking.uri loses its server (a proxy that closes) and is SIGKILLed
+    with its writes in the outbox. `dlpipe sync` of the sweep folder (an empty outbox, a torn one,
+    one of a deleted run, one whose process still runs, then the killed job's) reports each broken
+    one in one line, delivers the job's metrics, ends its run KILLED as found abandoned and exits
+    1. The password is never printed, logged or written outside Hydra's record of the command."""
+    url, _ = server
+    client = client_for(url, 10, 0)
+    proxy = Proxy(url)
+    proxy.start()
+    job_dir, log = tmp_path / "sweep" / "9", tmp_path / "job.txt"
+    job = spawn(tmp_path, log, "--config-dir", str(TESTS_DIR / "conf"), "dataset=slow", "dataset.size=400",
+                "dataset.delay_s=0.005", "model=mlp", "model.in_features=4", "loader.num_workers=0",
+                "trainer.epochs=20", "trainer.val_fraction=0", "trainer.progress=false", f"hydra.run.dir={job_dir}",
+                f"tracking.uri=http://carol:OUTAGEPW@{proxy.url}", "tracking.experiment=killed-offline",
+                "tracking.request_retries=0", "tracking.retry_every_s=1")
+    outbox = job_dir / OUTBOX_FILE
+    try:
+        wait_for(lambda: (job_dir / "checkpoints" / "epoch-0001.pt").exists() or job.poll() is not None, job, "epoch 1")
+        proxy.stop()
+        wait_for(lambda: _kept_metrics(outbox) or job.poll() is not None, job, "metrics kept in the outbox")
+        assert job.poll() is None, log.read_text()
+    finally:
+        kill(job)
+    assert "end" not in outbox.read_text() and stat.S_IMODE(outbox.stat().st_mode) == 0o600
+    broken = _broken_outboxes(tmp_path / "sweep", client, f"http://{proxy.url}")
+
+    down = dlpipe("sync", str(job_dir))  # the server is still away: kept, and the missing password named
+    assert down.returncode == 1 and "unreachable" in down.stderr and "MLFLOW_TRACKING_PASSWORD" in down.stderr
+    proxy.start()
+    try:
+        r = dlpipe("sync", str(tmp_path / "sweep"), env={"MLFLOW_TRACKING_PASSWORD": "OUTAGEPW"})
+    finally:
+        proxy.stop()
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe sync: error: ")]
+    assert len(errors) == 5 and errors[-1].endswith("4 of 5 outboxes not done (see above)"), r.stderr
+    assert "1/mlflow_outbox.jsonl: unreadable" in errors[0] and "2/mlflow_outbox.jsonl: unreadable" in errors[1]
+    assert broken["deleted"] in errors[2] and f"run {broken['alive']} is still RUNNING" in errors[3]
+    [run] = runs_of(client, "killed-offline")
+    assert run.info.status == "KILLED", r.stdout
+    assert run.data.tags["dlpipe.end_reason"].startswith(f"found abandoned: its process {job.pid} ")
+    assert {1, 2} <= {m.step for m in client.get_metric_history(run.info.run_id, "epoch_time_s")}
+    assert not outbox.exists() and all((tmp_path / "sweep" / str(i) / OUTBOX_FILE).exists() for i in range(1, 4))
+    alive = client.get_run(broken["alive"])  # its writes delivered, its end left to its process
+    assert alive.info.status == "RUNNING" and alive.data.tags["t"] == "1"
+    printed = log.read_text() + down.stdout + down.stderr + r.stdout + r.stderr
+    assert WARNING in log.read_text() and "carol:***@" in log.read_text()
+    assert "OUTAGEPW" not in printed + _files_text(job_dir)
+
+
+def _kept_metrics(outbox: Path) -> bool:
+    return outbox.exists() and '"metrics"' in outbox.read_text()
+
+
+def _broken_outboxes(sweep: Path, client, url: str) -> dict[str, str]:
+    """sweep/1 empty, sweep/2 a torn first line, sweep/3 a deleted run's, sweep/4 a run whose
+    process (this one) still runs; returns the run ids of the last two."""
+    for i in range(1, 5):
+        (sweep / str(i)).mkdir(parents=True)
+    (sweep / "1" / OUTBOX_FILE).write_text("")
+    (sweep / "2" / OUTBOX_FILE).write_text('{"uri": "http://127.0.0.1:1", "run_')
+    exp = client.create_experiment("broken-outboxes")
+    deleted, alive = (client.create_run(exp).info.run_id for _ in range(2))
+    client.delete_run(deleted)
+    Outbox(url, deleted, sweep / "3" / OUTBOX_FILE).tags({"t": "1"})
+    Outbox(url, alive, sweep / "4" / OUTBOX_FILE, owner=asdict(Owner.this_process())).tags({"t": "1"})
+    return {"deleted": deleted, "alive": alive}
+
+
+def _files_text(folder: Path, skip: str = ".hydra") -> str:
+    """Every file under `folder` (but `skip`, Hydra's record of the command line), as text."""
+    return "".join(p.read_bytes().decode(errors="replace") for p in folder.rglob("*")
+                   if p.is_file() and skip not in p.relative_to(folder).parts)
+
+
+# -- 5 and 8: reopened runs ------------------------------------------------------------------
+
+
+def test_reopened_run_logs_no_step_twice_and_forgets_its_end_reason(mlflow_store, mlflow_client):
+    """Reopening a run (a resume from an older checkpoint) keeps the values already logged for each
+    (metric, step), clears the previous attempt's end reason, and compares only the given keys."""
+    with pytest.raises(KeyboardInterrupt):
+        with MlflowRun(mlflow_store, "reopened", "r", {}) as first:
+            first.log_params({"optim.lr": "0.1", "mem.available_gb": "3.0"})
+            for step in (1, 2, 3):
+                first.log_metrics({"loss": float(step), "acc": 0.5}, step=step)
+            raise KeyboardInterrupt
+    run_id = first.run_id
+    assert "Ctrl-C" in mlflow_client.get_run(run_id).data.tags["dlpipe.end_reason"]
+    with MlflowRun(mlflow_store, "reopened", "r", {}, resume_run_id=run_id) as again:
+        assert again.resumed
+        assert "dlpipe.end_reason" not in mlflow_client.get_run(run_id).data.tags
+        again.log_params({"optim.lr": "0.2", "mem.available_gb": "5.0"}, compared={"optim.lr"})
+        for step in (2, 3, 4):  # resumed from the checkpoint of step 1
+            again.log_metrics({"loss": 10.0 * step, "acc": 0.9}, step=step)
+    stored = mlflow_client.get_run(run_id)
+    assert stored.info.status == "FINISHED" and "dlpipe.end_reason" not in stored.data.tags
+    assert stored.data.tags["dlpipe.resumed_changed_params"] == "optim.lr"
+    loss = sorted((m.step, m.value) for m in mlflow_client.get_metric_history(run_id, "loss"))
+    assert loss == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    assert sorted(m.step for m in mlflow_client.get_metric_history(run_id, "acc")) == [1, 2, 3, 4]
+
+
+# -- 2. secrets ------------------------------------------------------------------------------
+
+
+def test_credentials_from_every_source_stay_out_of_everything_recorded(tmp_path, server, dlpipe):
+    """A token on the command line, a URI password in a config file, a password in a run name and
+    one in MLFLOW_TRACKING_URI: none reaches the server's store or artifacts, the output folder
+    (Hydra's .hydra record aside: it keeps the command line, see README) or the printed output."""
+    url, root = server
+    conf = tmp_path / "conf" / "dataset"
+    conf.mkdir(parents=True)
+    (conf / "remote.yaml").write_text("_target_: faulty_data.TokenizedDataset\nsize: 32\n"
+                                      "mirror: https://me:FILEPW77@data.example/x\n")
+    env_uri = url.replace("http://", "http://alice:ENVPW999@")
+    r = dlpipe("--config-dir", str(tmp_path / "conf"), "dataset=remote", "model=mlp", "model.in_features=4",
+               "+dataset.api_token=SECRET123", "tracking.run_name=http://bob:hunter2@x", "trainer.epochs=1",
+               "trainer.progress=false", "tracking.experiment=credentials", "hydra.run.dir=out",
+               env={"MLFLOW_TRACKING_URI": env_uri})
+    assert r.returncode == 0, r.stderr
+    [run] = runs_of(client_for(url, 10, 0), "credentials")
+    assert run.info.run_name == "http://bob:***@x"
+    assert "+dataset.api_token=***" in run.data.tags["dlpipe.overrides"]
+    secrets = ("SECRET123", "FILEPW77", "hunter2", "ENVPW999")
+    recorded = _files_text(root) + _files_text(tmp_path / "out") + r.stdout + r.stderr
+    assert (tmp_path / "out" / "dlpipe.log").exists()
+    assert [s for s in secrets if s in recorded] == []
+    # an environment variable reaches Hydra's record as the ${oc.env:...} it was composed from
+    assert "ENVPW999" not in _files_text(tmp_path / "out", skip="no folder is called this")
