@@ -64,7 +64,9 @@ ONE_STEP = ["+recipe=tabular", "trainer.max_steps=1", "trainer.val_fraction=0", 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds after the warm-up (default 5)")
+    p.add_argument("--warmup", type=int, default=1, choices=(0, 1),
+                   help="a warm-up round first: page cache, the SQLite store's creation (default 1; 0: a smoke test)")
     p.add_argument("--out", type=Path, help="also write the markdown table to this file")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="dlpipe-startup-") as tmp:
         tmp = Path(tmp)
         todo = cases(tmp)
-        for cmd in todo.values():
+        for cmd in list(todo.values()) * args.warmup:
             timed(cmd, tmp, env)  # warm-up: page cache, the SQLite store's creation
         times = {name: [] for name in todo}
         imports = {}
@@ -129,7 +131,8 @@ def main(argv=None) -> int:
     lines = [
         "# start-up",
         "",
-        f"Whole-process wall time, {args.rounds} interleaved rounds after one warm-up; {os.cpu_count()} CPUs.",
+        f"Whole-process wall time, {args.rounds} interleaved rounds after {args.warmup} warm-up round(s); "
+        f"{os.cpu_count()} CPUs.",
         "",
         "| command | seconds median | min-max | imported at exit |",
         "|---|---|---|---|",

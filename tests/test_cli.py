@@ -2,7 +2,6 @@
 
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -104,21 +103,17 @@ def test_sweep_with_a_bad_job_runs_the_others_and_fails(dlpipe, mlflow_store, ml
 
 # The bad-input table: every way a user can get the command line wrong, one row each. "{tmp}" is the
 # test's folder. Each must exit 2 with exactly one line naming the key or value and what is allowed.
+# What is pure logic (Hydra's composition, the resolvers, validation: what the command does first) is
+# checked in-process; BAD_INPUT_CLI runs the real command once per distinct path to the error line.
 BAD_INPUT = [
-    (["loader.num_workerz=2"],
-     "loader.num_workerz=2: no key 'num_workerz' in loader; did you mean loader.num_workers?"),
     (["+loader.num_workerz=2"], "loader.num_workerz: no such key; did you mean loader.num_workers?"),
     (["+trainer.epochs=3"], "+trainer.epochs=3: trainer.epochs already exists; drop the +"),
     (["dataset.sizee=9"], "dataset.sizee=9: no key 'sizee' in dataset; did you mean dataset.size?"),
     (["+dataset.colour=red"], "dataset.colour: not a parameter of dlpipe.data.vision.SyntheticJPEGDataset"),
     (["loader.batch_size=abc"], "loader.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
-    (["loader.batch_size=["], "loader.batch_size=[: not a valid override"),
     (["loader=fast"], "loader=fast: no such loader option; available: auto, in_memory, padded, pytorch"),
     (["trainer.devices=0"], "trainer.devices=0: must be >= 1 (processes on this node, one per GPU)"),
     (["model=nope"], "model=nope: no such model option; available: cnn, custom, mlp, transformer"),
-    (["+recipe=nope"], f"recipe=nope: no such recipe option; available: {SHIPPED_RECIPES}"),
-    (["model.width=${oc.env:DLPIPE_TEST_UNSET}"], "model.width: KeyError raised while resolving interpolation"),
-    (["loader.num_workers=-1"], "loader.num_workers=-1: must be >= 0"),
     (["loader.batch_size=0"], "loader.batch_size=0: must be >= 1"),
     (["trainer.accumulate=0"], "trainer.accumulate=0: must be >= 1"),
     (["loader.prefetch_factor=0"], "loader.prefetch_factor=0: must be >= 1"),
@@ -126,13 +121,7 @@ BAD_INPUT = [
      "loader.prefetch_factor=4 with loader.num_workers=0: only workers prefetch"),
     (["trainer.amp=fp8"], "trainer.amp=fp8: allowed: off, bf16, fp16"),
     (["dataset._target_=nopkg.Data"], "dataset._target_=nopkg.Data: cannot be imported"),
-    (["dataset.crop_size=99"], "crop_size"),
-    (["trainer.device=mps"], "trainer.device=mps: this torch build or machine has no MPS device"),
     (["trainer.device=cuda:x"], "trainer.device=cuda:x: allowed: cpu, cuda, cuda:N, mps"),
-    (["loader.batch_size=1000", "loader.drop_last=true"],
-     "loader.batch_size=1000 with loader.drop_last=true: the training split has"),
-    (["dataset=image_folder", "dataset.root={tmp}/nope", "model=cnn"], "does not exist"),
-    (["dataset=image_folder", "dataset.root={tmp}/empty", "model=cnn"], "{tmp}/empty"),
     (["bench.mode=fast"], "bench.mode=fast: allowed: loader, train"),
     (["scheduler=cosine", "scheduler.interval=hour"], "scheduler.interval=hour: allowed: step (after every optimizer"),
     (["scheduler=cosine", "scheduler.warmup_steps=-1"], "scheduler.warmup_steps=-1: must be >= 0"),
@@ -144,20 +133,69 @@ BAD_INPUT = [
     (["scheduler=plateau", "scheduler.interval=step"], "scheduler.interval=step: a schedule that steps on a metric"),
     (["scheduler=cosine", "+scheduler.monitor=val_loss"], "scheduler.monitor=val_loss: dlpipe.training.schedule"),
     (["task=nope"], "task=nope: allowed: train, bench, tune"),
+]
+
+BAD_INPUT_CLI = [
+    (["loader.num_workerz=2"],  # Hydra's own error, made one line
+     "loader.num_workerz=2: no key 'num_workerz' in loader; did you mean loader.num_workers?"),
+    (["loader.batch_size=["], "loader.batch_size=[: not a valid override"),  # the override grammar
+    (["+recipe=nope"], f"recipe=nope: no such recipe option; available: {SHIPPED_RECIPES}"),
+    (["model.width=${oc.env:DLPIPE_TEST_UNSET}"], "model.width: KeyError raised while resolving interpolation"),
+    (["loader.num_workers=-1"], "loader.num_workers=-1: must be >= 0"),  # validation
+    (["dataset.crop_size=99"], "crop_size"),  # the dataset's own check, when it is built
+    (["trainer.device=mps"], "trainer.device=mps: this torch build or machine has no MPS device"),
+    (["loader.batch_size=1000", "loader.drop_last=true"],  # the split, once the data is known
+     "loader.batch_size=1000 with loader.drop_last=true: the training split has"),
+    (["dataset=image_folder", "dataset.root={tmp}/nope", "model=cnn"], "does not exist"),
+    (["dataset=image_folder", "dataset.root={tmp}/empty", "model=cnn"], "{tmp}/empty"),
     (["tracking.uri=http://127.0.0.1:9"], "tracking.uri=http://127.0.0.1:9: 127.0.0.1:9: Connection refused"),
 ]
 
 
+def with_recipe(args: list[str]) -> list[str]:
+    """The smoke recipe first (it sets the dataset keys the rows change), unless a row picks its own."""
+    return args if args[0].startswith(("+recipe", "dataset=")) else ["+recipe=smoke", *args]
+
+
 @pytest.mark.parametrize("args, expected", BAD_INPUT, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_bad_input_is_one_problem_naming_key_and_value(args, expected):
+    """What the command does first, in-process: compose, resolve, validate; Hydra's errors as one line."""
+    from hydra import compose, initialize_config_dir
+
+    from dlpipe.cli import resolve
+    from dlpipe.config.composition_errors import one_line
+    from dlpipe.config.paths import conf_dir
+    from dlpipe.config.resolvers import register_resolvers
+    from dlpipe.config.store import register_recipes, register_schemas
+    from dlpipe.config.validation import validate
+    from dlpipe.errors import ConfigError
+
+    register_resolvers()
+    register_schemas()
+    register_recipes()
+    overrides = with_recipe(args)
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            _, resolved = resolve(compose("config", overrides=overrides))
+        validate(resolved, cpu_budget=2)
+    except ConfigError as e:
+        problems = e.problems
+    except Exception as e:  # Hydra's composition errors: the command prints one_line of them
+        problems = [one_line(e, overrides)]
+    else:
+        problems = []
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+@pytest.mark.parametrize("args, expected", BAD_INPUT_CLI, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_bad_input_fails_before_tracking(dlpipe, tmp_path, mlflow_store, mlflow_client, args, expected):
     """Exit 2 with one line naming key and value, no traceback, no MLflow run, no half-made output dir."""
     (tmp_path / "empty").mkdir()
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     expected = expected.replace("{tmp}", str(tmp_path))
     exp = "bad-" + re.sub(r"[^A-Za-z0-9_.-]", "_", " ".join(args))[:80]
-    recipe = [] if args[0].startswith(("+recipe", "dataset=")) else ["+recipe=smoke"]  # smoke sets dataset keys
     tracking = [] if args[0].startswith("tracking.uri") else [f"tracking.uri={mlflow_store}"]
-    r = dlpipe(*recipe, "trainer.progress=false", *args, *tracking, f"tracking.experiment={exp}")
+    r = dlpipe(*with_recipe(args), "trainer.progress=false", *tracking, f"tracking.experiment={exp}")
     assert r.returncode == 2, r.stdout + r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error: ")]
     assert len(errors) == 1 and expected in errors[0], r.stderr
@@ -290,19 +328,16 @@ def test_worker_faults_fail_the_run_with_the_likely_cause(dlpipe, mlflow_store, 
     assert run.info.status == "FAILED" and expected in run.data.tags["dlpipe.end_reason"]
 
 
-def start_slow_run(tmp_path, mlflow_store, exp: str, *extra: str, new_session: bool = False,
-                   args: list[str] | None = None) -> subprocess.Popen:
+def start_slow_run(tmp_path, mlflow_store, exp: str, *extra: str, new_session: bool = False) -> subprocess.Popen:
     """A training run over a slow dataset (about 0.2 s a batch), in tmp_path/run (in a process
-    group of its own with `new_session`, so a test can signal the whole group); `args` replace
-    the command line."""
+    group of its own with `new_session`, so a test can signal the whole group)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env["PYTHONPATH"] = str(TESTS_DIR)
     env.update(NO_PHONE_HOME)
-    args = args or [*FAULTY, "dataset=slow", "dataset.size=600", "dataset.delay_s=0.003", "loader.num_workers=0",
-                    "trainer.epochs=2", "trainer.val_fraction=0", f"hydra.run.dir={tmp_path / 'run'}",
-                    f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}", *extra]
     return subprocess.Popen(
-        [sys.executable, "-m", "dlpipe", *args],
+        [sys.executable, "-m", "dlpipe", *FAULTY, "dataset=slow", "dataset.size=600", "dataset.delay_s=0.003",
+         "loader.num_workers=0", "trainer.epochs=2", "trainer.val_fraction=0", f"hydra.run.dir={tmp_path / 'run'}",
+         f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}", *extra],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=new_session,
     )
@@ -350,8 +385,10 @@ def test_signal_checkpoints_and_ends_run_killed(tmp_path, mlflow_store, mlflow_c
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+# Each start method once; SIGTERM and SIGUSR1 take one path in the workers (stop.STOP_SIGNALS), so
+# they are spread over the start methods rather than multiplied with them.
+@pytest.mark.parametrize("context, sig", [("fork", signal.SIGUSR1), ("spawn", signal.SIGTERM),
+                                          ("forkserver", signal.SIGTERM)])
 def test_signal_to_the_whole_group_spares_the_workers(tmp_path, mlflow_store, mlflow_client, context, sig):
     """scancel and `kill -PGID` signal the workers too: they must not die before the main process
     has stopped cleanly (spawned workers even while they start), so the run still ends KILLED."""
@@ -364,24 +401,6 @@ def test_signal_to_the_whole_group_spares_the_workers(tmp_path, mlflow_store, ml
     assert run.info.status == "KILLED" and sig.name in run.data.tags["dlpipe.end_reason"], err
     assert "killed by signal" not in err and "Traceback" not in err
     assert list((tmp_path / "run" / "checkpoints").glob("epoch-*.pt"))
-
-
-def test_stopped_run_resumes_in_the_same_mlflow_run(tmp_path, mlflow_store, mlflow_client):
-    """SIGTERM mid-epoch, then the command the stop printed: it continues from the saved batch and
-    finishes the run."""
-    exp = "stop-resume"
-    _, out, err = signal_when_training(start_slow_run(tmp_path, mlflow_store, exp), mlflow_client, exp, signal.SIGTERM)
-    [killed] = runs_of(mlflow_client, exp)
-    [hint] = [line.split("resume with: dlpipe ")[1] for line in (out + err).splitlines() if "resume with:" in line]
-    proc = start_slow_run(tmp_path, mlflow_store, exp, args=shlex.split(hint))
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
-    assert "resuming from" in out + err
-    [run] = runs_of(mlflow_client, exp)
-    assert run.info.run_id == killed.info.run_id and run.info.status == "FINISHED"
-    state = torch.load(tmp_path / "run" / "checkpoints" / "epoch-0002.pt", weights_only=True)
-    assert state["epoch"] == 2 and state["batches_done"] == 0
-    assert state["step"] == 2 * 10  # 600 samples / batch 64 -> 10 batches an epoch, none lost or repeated
 
 
 @pytest.mark.parametrize("recipe", ["vision", "nlp", "nlp_ragged", "tabular", "smoke"])

@@ -7,6 +7,7 @@ epoch, so the next write to it fails as a disk that filled up during training do
 
 import errno
 import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -16,8 +17,9 @@ from conftest import runs_of
 
 from dlpipe import disk
 from dlpipe.errors import ConfigError
-from dlpipe.tasks.writable import check_writable, hydra_output_error, sqlite_file
+from dlpipe.tasks.writable import check_writable, hydra_output_error
 from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, unreachable
+from dlpipe.tracking.store_lock import sqlite_path
 from dlpipe.training.checkpoint import CheckpointError, CheckpointStore, load, save_atomic
 
 FILLER = "filler.bin"
@@ -133,11 +135,11 @@ def test_check_writable_names_each_key_once(tmpfs, tmp_path):
     check_writable(Ctx(tmp_path / "out"), resolved(task="bench", checkpoint_dir=ro))
 
 
-def test_sqlite_file_of_a_tracking_uri():
-    assert sqlite_file("sqlite:///mlflow.db") == Path("mlflow.db")
-    assert sqlite_file("sqlite:////abs/m.db?timeout=5") == Path("/abs/m.db")
-    assert sqlite_file("http://127.0.0.1:5000") is None
-    assert sqlite_file("sqlite://") is None
+def test_sqlite_path_of_a_tracking_uri():
+    assert sqlite_path("sqlite:///mlflow.db") == Path("mlflow.db")
+    assert sqlite_path("sqlite:////abs/m.db?timeout=5") == Path("/abs/m.db")
+    assert sqlite_path("http://127.0.0.1:5000") is None
+    assert sqlite_path("sqlite://") is None
 
 
 def test_hydra_output_error_only_for_hydras_own_writes(tmpfs, tmp_path):
@@ -156,15 +158,18 @@ def test_hydra_output_error_only_for_hydras_own_writes(tmpfs, tmp_path):
     assert hydra_output_error(ValueError("x"), []) is None
 
 
-@pytest.mark.parametrize("where", ["checkpoint.dir", "hydra.run.dir"])
+@pytest.mark.parametrize("where", ["checkpoint.dir", "hydra.run.dir", "hydra.sweep.dir"])
 def test_cli_refuses_an_unwritable_folder_before_building_anything(dlpipe, tmpfs, tmp_path, mlflow_store,
                                                                    mlflow_client, where):
+    """A sweep's folder too: Hydra stops before any job, and no parent run is left behind."""
     ro = tmpfs("1m", "ro")
-    r = dlpipe(*TABULAR, f"{where}={ro}/job", f"tracking.uri={mlflow_store}", "tracking.experiment=disk-preflight")
+    sweep = ["--multirun"] if where == "hydra.sweep.dir" else []
+    r = dlpipe(*sweep, *TABULAR, f"{where}={ro}/job", f"tracking.uri={mlflow_store}",
+               "tracking.experiment=disk-preflight")
     assert r.returncode == 2, r.stderr
     assert errors(r.stderr) == [f"dlpipe: error: {where}={ro}/job: cannot write there ({ro}: Read-only file system); "
                                 + ("point checkpoint.dir at a writable folder, or set checkpoint.enabled=false"
-                                   if where == "checkpoint.dir" else "pick a writable folder with hydra.run.dir=DIR")]
+                                   if where == "checkpoint.dir" else f"pick a writable folder with {where}=DIR")]
     assert "Traceback" not in r.stderr and "epoch 1/" not in r.stderr
     assert not (tmp_path / "outputs").exists()  # Hydra's half-made output folder is removed
     assert runs_of(mlflow_client, "disk-preflight") == []
@@ -230,7 +235,7 @@ def test_outbox_file_on_a_full_disk_keeps_writes_in_memory(tmpfs, caplog):
     assert sorted(p.name for p in folder.iterdir()) == [OUTBOX_FILE]
 
 
-def test_full_store_mid_run_is_an_outage_that_ends(tmpfs, tmp_path):
+def test_full_store_mid_run_is_an_outage_that_ends(tmpfs, tmp_path, caplog, capfd):
     from mlflow import MlflowClient
 
     from dlpipe.tracking.run import MlflowRun
@@ -246,8 +251,13 @@ def test_full_store_mid_run_is_an_outage_that_ends(tmpfs, tmp_path):
         run.flush()
         filler = fill(folder)
         run.log_metrics({"loss": 0.5}, step=2)
-        run.flush()  # "database or disk is full": kept, training goes on
+        with caplog.at_level(logging.WARNING, logger="dlpipe.tracking.run"):
+            run.flush()  # "database or disk is full": kept, training goes on
         assert run.offline_since is not None
+        # One line in SQLite's words, not MLflow's paragraph about autoflush, nor its traceback.
+        [said] = [r.getMessage() for r in caplog.records if r.name == "dlpipe.tracking.run"]
+        assert said.startswith("tracking store cannot take writes (OperationalError: database or disk is full)")
+        assert "Traceback" not in capfd.readouterr().err
         assert Outbox.load(outbox).counts()["metrics"] == 1
         filler.unlink()
         run.log_metrics({"loss": 0.25}, step=3)
@@ -332,7 +342,8 @@ def test_cli_store_full_mid_run_trains_on_and_sync_delivers(dlpipe, tmpfs, tmp_p
     r = dlpipe(*TABULAR, "trainer.epochs=2", "hydra.run.dir=job", *callback(folder), f"tracking.uri={uri}",
                "tracking.offline_wait_s=0")
     assert r.returncode == 0, r.stderr
-    assert "database or disk is full" in r.stderr and "epoch 2/2" in r.stderr
+    assert "tracking store cannot take writes (OperationalError: database or disk is full)" in r.stdout
+    assert "epoch 2/2" in r.stderr and "Traceback" not in r.stderr
     box = Outbox.load(tmp_path / "job" / OUTBOX_FILE)
     steps = {row[3] for e in box.entries if "metrics" in e for row in e["metrics"]}
     assert steps == {2} and box.entries[-1] == {"end": "FINISHED"}

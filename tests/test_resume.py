@@ -1,5 +1,7 @@
 """Checkpoints and resume through the real CLI: exact continuation, reattached MLflow run, faults."""
 
+import shlex
+
 import pytest
 import torch
 from conftest import runs_of
@@ -49,10 +51,12 @@ MEASURED = {"epoch_time_s", "samples_per_s", "data_wait_s", "data_wait_frac", "f
             "workers_alive", "sys_mem_used_pct", "shm_used_mb", "gpu_util", "gpu_mem_used_mb",
             "worker_rss_slope_mb_per_epoch"}
 # 120 items, 12 held out: 108 in batches of 16 (7 a batch), accumulate 2: 4 optimizer steps an epoch.
-# train_loss_step every 3 steps: its windows span epoch boundaries and the stop.
+# train_loss_step every 3 steps: its windows span epoch boundaries and the stop. A cosine schedule
+# with warm-up: its state is resumed too (lr and epoch_lr equal the straight run's).
 SIGNALLED = ["--config-dir", "{tests}/conf", "dataset=signals_itself", "model=mlp", "model.hidden=8", "model.depth=1",
              "loader=in_memory", "loader.batch_size=16", "trainer.accumulate=2", "trainer.epochs=3",
-             "trainer.log_every=3", "trainer.deterministic=true", "trainer.progress=false"]
+             "trainer.log_every=3", "trainer.deterministic=true", "trainer.progress=false",
+             "optim=sgd", "scheduler=cosine", "scheduler.warmup_steps=3", "scheduler.min_lr_ratio=0.1"]
 
 
 def logged(client, run) -> dict[str, list[tuple[int, float]]]:
@@ -88,10 +92,15 @@ def test_sigterm_mid_epoch_then_resume_logs_every_number_of_a_straight_run(dlpip
     stopped = torch.load(tmp_path / "split" / "checkpoints" / "epoch-0002.pt", weights_only=True)
     assert stopped["epoch"] == 1 and 0 < stopped["batches_done"] < 7 and stopped["epoch_loss"]["samples"] > 0
     assert stopped["step"] % 3 != 0  # the stop fell inside a train_loss_step window
-    r = dlpipe(*split)
+    # The command the stop printed resumes it (it names the output folder: Hydra's default is new each launch).
+    [hint] = [line.split("resume with: dlpipe ")[1] for line in (r.stdout + r.stderr).splitlines()
+              if "resume with: dlpipe " in line]
+    r = dlpipe(*shlex.split(hint))
     assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stdout + r.stderr
 
-    [straight], [resumed] = runs_of(mlflow_client, f"{exp}-a"), runs_of(mlflow_client, f"{exp}-b")
+    [straight], [resumed] = runs_of(mlflow_client, f"{exp}-a"), runs_of(mlflow_client, f"{exp}-b")  # reopened
+    assert resumed.info.status == "FINISHED" and "dlpipe.end_reason" not in resumed.data.tags
     a, b = logged(mlflow_client, straight), logged(mlflow_client, resumed)
     assert {"train_loss", "train_loss_step", "val_loss", "val_accuracy", "lr", "grad_norm", "epoch_lr"} <= set(a)
     assert a == b

@@ -325,7 +325,6 @@ def save_stop_checkpoint(trainer, reason: str, store, state: dict | None, hint: 
     # Named after the epoch it is in: it is the newest, and the finished epoch before it stays as
     # the fallback. The next full save of this epoch replaces it.
     path = store.epoch_path(epoch)
-    path.parent.mkdir(parents=True, exist_ok=True)  # a stop in the first epoch comes before any save
     save_atomic(state, path)  # not store.save: pruning would count it and drop a finished epoch
     log.warning("stopped by %s in epoch %d after batch %d: saved %s; %s", reason, epoch, trainer.stop.at_batch,
                 path, hint)

@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 from dlpipe import disk
 from dlpipe.errors import ConfigError
+from dlpipe.tracking.store_lock import sqlite_path
 
-SQLITE = "sqlite:///"  # MLflow's SQLite URIs: sqlite:///relative.db, sqlite:////absolute.db
 HYDRA_READS = ("config_loader", "config_source", "config_repository")  # Hydra's modules that read config files
 
 
@@ -43,19 +43,11 @@ def written_folders(output_dir: Path, multirun: bool, resolved: dict) -> list[Ta
         folder = Path(resolved["bench"]["output_dir"])
         targets.append(Target("bench.output_dir", str(folder), folder, "point bench.output_dir at a writable folder"))
     tracking = resolved["tracking"]
-    store = sqlite_file(tracking["uri"]) if tracking["enabled"] else None
+    store = sqlite_path(tracking["uri"]) if tracking["enabled"] else None
     if store is not None:  # SQLite writes its journal next to the database file
         targets.append(Target("tracking.uri", tracking["uri"], store.parent,
                               "point tracking.uri at a writable place, or use tracking=none"))
     return targets
-
-
-def sqlite_file(uri: str) -> Path | None:
-    """The database file of a `sqlite:///PATH` tracking URI (None for other stores and in-memory SQLite)."""
-    if not uri.startswith(SQLITE):
-        return None
-    path = uri[len(SQLITE):].split("?", 1)[0]
-    return Path(path) if path and path != ":memory:" else None
 
 
 def check_writable(ctx, resolved: dict) -> None:

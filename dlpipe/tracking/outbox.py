@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from dlpipe.disk import write_failure
+from dlpipe.errors import first_line
 from dlpipe.redact import without_password
 from dlpipe.tracking.http_probe import http_silence
 
@@ -48,6 +49,19 @@ def unreachable(exc: BaseException) -> bool:
         seen = seen.__cause__ or seen.__context__
     # MLflow wraps a failed request in a bare MlflowException without chaining it in some paths
     return isinstance(exc, MlflowException) and str(exc).startswith("API request to")
+
+
+def outage_reason(exc: BaseException) -> str:
+    """The line that says why a write failed: SQLite's own words when a local store refused it
+    (MLflow wraps them in a paragraph whose first line is about autoflush), else the first line."""
+    import sqlite3
+
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, sqlite3.OperationalError):
+            return f"{type(seen).__name__}: {seen}"
+        seen = seen.__cause__ or seen.__context__
+    return first_line(exc)
 
 
 def connect_error(uri: str, timeout_s: float) -> str | None:

@@ -25,11 +25,11 @@ from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
-from dlpipe.errors import DlpipeError, first_line, user_message
+from dlpipe.errors import DlpipeError, user_message
 from dlpipe.redact import redact_text
 from dlpipe.stop import Terminated
 from dlpipe.tracking.abandoned import END_REASON_TAG, Owner, close_previous, write_marker
-from dlpipe.tracking.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, unreachable
+from dlpipe.tracking.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, outage_reason, unreachable
 from dlpipe.tracking.store_lock import store_opening
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,9 @@ def client_for(uri: str, timeout_s: float, retries: int):
     if redact_text(uri) != uri:  # MLflow prints "View run ... at: <the URI, password included>"
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     logging.getLogger("alembic").setLevel(logging.WARNING)  # schema migrations of a new SQLite store
+    # A full or locked SQLite store is an outage that dlpipe reports in one line (MlflowRun._went_away);
+    # MLflow would also print the SQL error's traceback on every refused write.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     from mlflow import MlflowClient
 
     with store_opening(uri):  # the client opens (creates, migrates) the store: one process at a time
@@ -227,8 +230,13 @@ class MlflowRun:
 
     def _went_away(self, error: Exception) -> None:
         self.offline_since = self._last_attempt = time.monotonic()
-        log.warning("tracking server unreachable (%s): training continues; metrics are kept in %s and "
-                    "sent when it is back", redact_text(first_line(error))[:200], self.outbox.path or "memory")
+        log.warning("%s (%s): training continues; metrics are kept in %s and sent when it is back", self._outage(),
+                    redact_text(outage_reason(error))[:200], self.outbox.path or "memory")
+
+    def _outage(self, still: str = "") -> str:
+        if self.uri.startswith("http"):
+            return f"tracking server {still}unreachable"
+        return f"tracking store {still}cannot take writes"  # a local store: full, locked or read-only
 
     def _reconnect(self, force: bool = False) -> bool:
         """Deliver the kept writes if the server answers again (tried at most every retry_every_s)."""
@@ -273,9 +281,16 @@ class MlflowRun:
             if self.offline_since is not None:
                 self.status = f"{status}, not sent"
                 where = self.outbox.path.parent if self.outbox.path else None
-                log.error("tracking server still unreachable after %g s: %s and the run's end (%s) are kept in %s; "
-                          "send them with: dlpipe sync %s", self.offline_wait_s, _describe(self.outbox.counts()),
-                          status, self.outbox.path or "memory (lost at exit)", where or "")
+                log.error("%s after %g s: %s and the run's end (%s) are kept in %s; send them with: dlpipe sync %s",
+                          self._outage("still "), self.offline_wait_s, _describe(self.outbox.counts()),
+                          status, self._kept_where(), where or "")
+
+    def _kept_where(self) -> str:
+        if self.outbox.path is None:
+            return "memory (lost at exit)"
+        if self.outbox.file_error is not None:
+            return f"memory only, lost at exit ({self.outbox.path} cannot be written: {self.outbox.file_error})"
+        return str(self.outbox.path)
 
     def __enter__(self) -> "MlflowRun":
         return self

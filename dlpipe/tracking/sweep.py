@@ -19,6 +19,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from dlpipe.disk import unwritable
 from dlpipe.redact import redact_overrides
 from dlpipe.stop import STOP_SIGNALS, Terminated
 from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG, client_for, experiment_id
@@ -47,6 +48,8 @@ class SweepTracking(Callback):
         tracking = OmegaConf.to_container(config.tracking, resolve=True)
         if not tracking["enabled"]:
             return
+        if unwritable(Path(config.hydra.sweep.dir)):
+            return  # Hydra cannot make the sweep's folder and stops before any job: no parent run to end
         self.client = client_for(tracking["uri"], tracking["request_timeout_s"], tracking["request_retries"])
         exp = experiment_id(self.client, tracking["experiment"])
         overrides = " ".join(redact_overrides(config.hydra.overrides.task)) or "none"

@@ -75,6 +75,7 @@ def save_atomic(state: dict, path: Path) -> None:
     """
     path = Path(path)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a stop in the first epoch comes before any save
         _write_atomic(path, lambda f: torch.save(state, f))
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
         raise _cannot_write(path, e) from e
@@ -177,11 +178,7 @@ class CheckpointStore:
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch={epoch!r}: must be an integer >= 0")
         path = self.epoch_path(epoch)
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise _cannot_write(path, e) from e
-        save_atomic(state, path)
+        save_atomic(state, path)  # (makes the folder)
         if self.monitor is not None and self.monitor in metrics:
             value = float(metrics[self.monitor])
             if self._improves(value):
