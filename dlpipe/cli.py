@@ -189,6 +189,9 @@ def main() -> None:
         sys.argv = with_overrides(sys.argv, ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
     import hydra
 
+    # A full disk under the job's dlpipe.log must not print a logging traceback per record and bury
+    # the one error line (Python's own advice for production code).
+    logging.raiseExceptions = False
     # Registered before Hydra starts, so they are pickled with the task for launcher jobs.
     register_resolvers()
     register_schemas()

@@ -12,9 +12,13 @@ import re
 MASK = "***"
 # Whole words of a key (split at _ - . and case changes), so `hf_token` is a secret and
 # `max_tokens` or `tokenizer` are not.
-_SECRET_WORDS = {"token", "password", "passwd", "pwd", "secret", "apikey", "credential", "credentials", "auth"}
+_SECRET_WORDS = {"token", "password", "passwd", "pwd", "secret", "apikey", "credential", "credentials", "auth",
+                 "authorization"}
 _SECRET_PAIRS = {("api", "key"), ("private", "key"), ("access", "key")}
-_URI_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)(?P<pw>[^@\s/]+)(?P<at>@)")
+# The user part may be empty: `https://:TOKEN@host` is token-only authentication.
+_URI_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]*:)(?P<pw>[^@\s/]+)(?P<at>@)")
+# The keys of a dict value on the command line (`+dataset.storage_options={key:X,secret:Y}`).
+_VALUE_KEYS = re.compile(r"[{,]\s*['\"]?([A-Za-z_][\w\-]*)['\"]?\s*:")
 
 
 def is_secret_key(key: str) -> bool:
@@ -35,7 +39,9 @@ def redact_overrides(overrides: list[str]) -> list[str]:
     masked = []
     for override in overrides:
         key, eq, value = override.partition("=")
-        secret = eq and value and is_secret_key(key.lstrip("+~"))
+        # a secret key, or a dict value holding one (the whole value: its other entries may be keys too)
+        keys = [key.lstrip("+~"), *_VALUE_KEYS.findall(value)]
+        secret = eq and value and any(map(is_secret_key, keys))
         masked.append(f"{key}={MASK}" if secret else redact_text(override))
     return masked
 

@@ -25,8 +25,6 @@ from dlpipe.training.checkpoint import CheckpointError, CheckpointStore, load, s
 FILLER = "filler.bin"
 TABULAR = ("+recipe=tabular", "dataset.size=256", "loader.num_workers=0")
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-
 
 def fill(folder: Path) -> Path:
     """Write zeros into folder/filler.bin until the disk is full; return the file."""
@@ -57,7 +55,10 @@ class FillDisk:
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    """mount(size, *options) -> a fresh tmpfs folder of that size; every mount is undone at the end."""
+    """mount(size, *options) -> a fresh tmpfs folder of that size; every mount is undone at the end.
+    Only the tests that mount need root: the others run anywhere."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
     mounted = []
 
     def mount(size: str, *options: str) -> Path:

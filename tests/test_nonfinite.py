@@ -58,12 +58,20 @@ def test_stop_names_the_first_bad_step_at_the_next_log_step():
     assert "\n" not in message
 
 
-def test_stop_at_the_end_of_an_epoch_between_log_steps():
-    """With no log step after the bad one, the epoch's end is where the run stops, still naming it."""
-    trainer = None
+@pytest.mark.parametrize("log_every", [50, 10**9])
+def test_stop_at_the_end_of_an_epoch_between_log_steps(log_every):
+    """With no log step after the bad one, the epoch's end is where the run stops, still naming it,
+    and the epoch is never scored. log_every=10**9 ("never") keeps at most MAX_MARKS sums on the device."""
+    from dlpipe.training.nonfinite import MAX_MARKS
+
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      TrainerConfig(epochs=1, progress=False, grad_clip=0.0, log_every=log_every), metrics=Sink())
+    assert trainer.guard._marks.numel() == min(log_every, MAX_MARKS)
     with pytest.raises(NonFiniteLoss, match=r"at optimizer step 9: likely"):
-        trainer, _ = train(poisoned(10, bad_batch=9), log_every=50)
-    assert trainer is None  # the epoch was never scored
+        trainer.fit(DataLoader(poisoned(10, bad_batch=9), batch_size=BATCH, shuffle=False))
+    assert trainer.history == [] and not any("train_loss" in metrics for metrics, _ in trainer.metrics.calls)
 
 
 def test_a_bad_first_step_blames_the_data():

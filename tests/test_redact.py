@@ -88,6 +88,16 @@ def test_overrides_lose_secret_values_and_passwords():
                                            "~dataset.password"]
 
 
+def test_a_dict_value_holding_a_secret_key_is_masked_whole():
+    """`+dataset.storage_options={key:AKIA,secret:S3CR3T}` names its secret inside the value; a dict
+    without one stays as typed. A token-only URI (no user) loses its token too."""
+    assert redact_overrides(["+dataset.storage_options={key:AKIA,secret:S3CR3T}",
+                             "+dataset.headers={Authorization: Bearer X}", "+dataset.opts={max_tokens:5}",
+                             "trainer.devices=[0,1]"]) == [
+        "+dataset.storage_options=***", "+dataset.headers=***", "+dataset.opts={max_tokens:5}", "trainer.devices=[0,1]"]
+    assert redact_text("https://:TOKEN@host/api") == "https://:***@host/api"
+
+
 def test_uri_on_disk_keeps_the_user_but_not_the_password():
     assert without_password("http://bob:hunter2@host:5000/x") == "http://bob@host:5000/x"
     assert without_password("http://host:5000") == "http://host:5000"

@@ -20,8 +20,9 @@ from mlflow_server import free_port, start_server, stop_tree
 from test_tracking_outage import wait_for
 
 from dlpipe.tracking.abandoned import MARKER_FILE, Owner
+from dlpipe.tracking.client import client_for
 from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox
-from dlpipe.tracking.run import MlflowRun, client_for
+from dlpipe.tracking.run import MlflowRun
 from dlpipe.tracking.store_lock import store_opening
 
 WARNING = "tracking server unreachable"
@@ -298,6 +299,73 @@ def test_reopened_run_logs_no_step_twice_and_forgets_its_end_reason(mlflow_store
     loss = sorted((m.step, m.value) for m in mlflow_client.get_metric_history(run_id, "loss"))
     assert loss == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
     assert sorted(m.step for m in mlflow_client.get_metric_history(run_id, "acc")) == [1, 2, 3, 4]
+
+
+def gone_owner() -> dict:
+    """The record of a process on this host that has exited."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return asdict(Owner(socket.gethostname(), int(done.stdout), Owner.this_process().started))
+
+
+def test_an_earlier_runs_or_unreadable_outbox_is_moved_aside_never_mixed(tmp_path, mlflow_store, mlflow_client):
+    """A job in a folder whose outbox holds another run's writes moves it aside for `dlpipe sync`
+    (mlflow_outbox.<run id>.jsonl) instead of appending its own under that run's head; an empty one
+    (its write failed on a full disk) is moved aside too, and the run still opens and ends."""
+    from dlpipe.tasks.sync import outboxes
+
+    earlier = Outbox(mlflow_store, "0123abcd", tmp_path / OUTBOX_FILE)
+    earlier.tags({"k": "v"})
+    earlier.end("FINISHED")
+    with MlflowRun(mlflow_store, "aside", "r", {}, outbox_path=tmp_path / OUTBOX_FILE) as run:
+        assert not (tmp_path / OUTBOX_FILE).exists() and run.outbox.entries == []
+        run.outbox.tags({"mine": "1"})  # what an outage would keep
+    aside = tmp_path / "mlflow_outbox.0123abcd.jsonl"
+    assert Outbox.load(aside).run_id == "0123abcd" and Outbox.load(aside).entries[-1] == {"end": "FINISHED"}
+    assert Outbox.load(tmp_path / OUTBOX_FILE).run_id == run.run_id
+    assert outboxes([tmp_path]) == sorted([aside, tmp_path / OUTBOX_FILE])  # sync delivers both
+
+    (tmp_path / OUTBOX_FILE).write_text("")
+    with MlflowRun(mlflow_store, "aside", "r2", {}, outbox_path=tmp_path / OUTBOX_FILE) as second:
+        pass
+    assert (tmp_path / (OUTBOX_FILE + ".unreadable")).exists()
+    assert mlflow_client.get_run(second.run_id).info.status == "FINISHED"
+
+
+def test_a_resume_whose_run_cannot_be_reopened_still_ends_it(tmp_path, mlflow_store, mlflow_client):
+    """The checkpoint names a run of another experiment, left RUNNING by a killed job: a new run
+    starts, and the old one is ended as found abandoned rather than spared as the one resumed."""
+    old = MlflowRun(mlflow_store, "reopen-elsewhere", "old", {})
+    (tmp_path / MARKER_FILE).write_text(json.dumps({"run_id": old.run_id, "uri": old.outbox.uri, **gone_owner()}))
+    with MlflowRun(mlflow_store, "reopen-here", "new", {}, resume_run_id=old.run_id, marker_dir=tmp_path) as new:
+        assert not new.resumed and new.run_id != old.run_id
+    ended = mlflow_client.get_run(old.run_id)
+    assert ended.info.status == "KILLED" and ended.data.tags["dlpipe.end_reason"].startswith("found abandoned")
+
+
+def test_sync_leaves_a_run_of_another_host_running(mlflow_store, mlflow_client):
+    """`dlpipe sync` on a login node must not end the runs of jobs still running on compute nodes."""
+    from dlpipe.tracking.abandoned import end_if_abandoned
+
+    run = MlflowRun(mlflow_store, "other-host", "r", {})
+    owner = Owner("compute-node-7", 4242, 0.0)
+    status, found = end_if_abandoned(run.client, run.run_id, owner, other_hosts=False)
+    assert status == "RUNNING" and "host compute-node-7: run `dlpipe sync` there" in found
+    assert mlflow_client.get_run(run.run_id).info.status == "RUNNING"
+    assert end_if_abandoned(run.client, run.run_id, owner)[0] == "KILLED"  # a rerun in its folder ends it
+
+
+def test_files_in_the_output_folder_name_the_store_absolutely(tmp_path, monkeypatch):
+    """A relative sqlite:///mlflow.db is recorded as an absolute path: `dlpipe sync` from any folder finds it."""
+    from dlpipe.tracking.store_lock import absolute_uri
+
+    monkeypatch.chdir(tmp_path)
+    assert absolute_uri("sqlite:///mlflow.db?timeout=5") == f"sqlite:///{tmp_path}/mlflow.db?timeout=5"
+    assert absolute_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
+    assert absolute_uri("http://u:p@h:5000") == "http://u:p@h:5000"
+    with MlflowRun("sqlite:///mlflow.db", "absolute", "r", {}, marker_dir=tmp_path) as run:
+        pass
+    assert json.loads((tmp_path / MARKER_FILE).read_text())["uri"] == f"sqlite:///{tmp_path}/mlflow.db"
+    assert run.outbox.head()["uri"] == f"sqlite:///{tmp_path}/mlflow.db"
 
 
 # -- 2. secrets ------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def test_silent_server_fails_the_job_before_training(dlpipe, blackhole):
 def test_refused_request_counts_as_unreachable_but_a_rejected_one_does_not(mlflow_store):
     from mlflow.exceptions import RestException
 
-    from dlpipe.tracking.run import client_for
+    from dlpipe.tracking.client import client_for
 
     with pytest.raises(Exception) as refused:
         client_for(f"http://127.0.0.1:{free_port()}", 2, 0).get_experiment_by_name("x")

@@ -223,11 +223,13 @@ def _typed(schema, node: dict):
 
 
 def _check_lr(optim: dict) -> list[str]:
-    """optim.lr, when given: a finite number > 0 (inf or nan would train to nan and end FINISHED)."""
+    """optim.lr, when given: a finite number > 0 (inf or nan would train to nan and end FINISHED), or
+    null for optimizers that choose their own step size (transformers' Adafactor with relative_step)."""
     lr = optim.get("lr")
-    if "lr" not in optim or (type(lr) in (int, float) and math.isfinite(lr) and lr > 0):
+    if lr is None or (type(lr) in (int, float) and math.isfinite(lr) and lr > 0):
         return []
-    return [f"optim.lr={lr}: must be a finite number > 0 (e.g. optim.lr=1e-3)"]
+    return [f"optim.lr={lr}: must be a finite number > 0 (e.g. optim.lr=1e-3), or null for an optimizer that sets "
+            "its own"]
 
 
 def _check_worker_bound(loader: LoaderConfig, cpu_budget: int) -> list[str]:

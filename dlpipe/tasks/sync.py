@@ -17,7 +17,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from dlpipe.errors import first_line
 from dlpipe.redact import redact_logging, redact_text, without_password
 from dlpipe.tracking.abandoned import Owner, end_if_abandoned, read_marker
-from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, connect_error, unreachable
+from dlpipe.tracking.outbox import OUTBOX_FILE, OUTBOX_GLOB, Outbox, connect_error, unreachable
 
 log = logging.getLogger("dlpipe")
 
@@ -29,7 +29,8 @@ def outboxes(paths: list[Path]) -> list[Path]:
         if path.is_file():
             found.append(path)
         else:
-            found.extend(sorted(path.rglob(OUTBOX_FILE)))
+            # with the outboxes of other runs a later job in that folder moved aside (MlflowRun._take_over)
+            found.extend(sorted(path.rglob(OUTBOX_GLOB)))
     return found
 
 
@@ -60,7 +61,7 @@ def sync_one(path: Path, uri_option: str | None, timeout: float) -> bool:
     """Deliver one outbox and end its run; False (after one line saying why) when anything is left."""
     from mlflow.exceptions import MlflowException
 
-    from dlpipe.tracking.run import client_for
+    from dlpipe.tracking.client import client_for
 
     try:
         box = Outbox.load(path)
@@ -77,7 +78,8 @@ def sync_one(path: Path, uri_option: str | None, timeout: float) -> bool:
     try:
         client = client_for(uri, timeout, 2)
         ended = box.send(client)
-        status, found = (ended, "") if ended else end_if_abandoned(client, box.run_id, _owner(box, path.parent))
+        status, found = (ended, "") if ended else end_if_abandoned(client, box.run_id, _owner(box, path.parent),
+                                                                   other_hosts=False)
     except Exception as e:
         if not (unreachable(e) or isinstance(e, MlflowException)):
             raise

@@ -312,7 +312,7 @@ def resume_hint(ctx: JobContext) -> str:
 
 def save_stop_checkpoint(trainer, reason: str, store, state: dict | None, hint: str) -> None:
     """Write the interrupted epoch's checkpoint (rank 0), or say why there is none."""
-    from dlpipe.training.checkpoint import save_atomic
+    from dlpipe.training.checkpoint import CheckpointError, save_atomic
 
     epoch = len(trainer.history) + 1
     if not trainer.stop.interrupted_epoch:
@@ -325,7 +325,11 @@ def save_stop_checkpoint(trainer, reason: str, store, state: dict | None, hint: 
     # Named after the epoch it is in: it is the newest, and the finished epoch before it stays as
     # the fallback. The next full save of this epoch replaces it.
     path = store.epoch_path(epoch)
-    save_atomic(state, path)  # not store.save: pruning would count it and drop a finished epoch
+    try:
+        save_atomic(state, path)  # not store.save: pruning would count it and drop a finished epoch
+    except CheckpointError as e:  # a full disk: the stop itself still ends KILLED (a requeue resumes)
+        log.error("stopped by %s in epoch %d: %s; resuming starts from the last finished epoch", reason, epoch, e)
+        return
     log.warning("stopped by %s in epoch %d after batch %d: saved %s; %s", reason, epoch, trainer.stop.at_batch,
                 path, hint)
 

@@ -87,13 +87,17 @@ def read_marker(folder: Path) -> dict | None:
     return record if isinstance(record, dict) and "run_id" in record else None
 
 
-def end_if_abandoned(client, run_id: str, owner: Owner | None) -> tuple[str, str]:
-    """(status, what was found): a RUNNING run whose process is gone is ended KILLED here."""
+def end_if_abandoned(client, run_id: str, owner: Owner | None, other_hosts: bool = True) -> tuple[str, str]:
+    """(status, what was found): a RUNNING run whose process is gone is ended KILLED here. With
+    `other_hosts=False` (`dlpipe sync`, run anywhere, e.g. on a login node while the jobs run on
+    compute nodes) a run whose process ran on another host is left RUNNING: it may still be running."""
     status = client.get_run(run_id).info.status
     if status != "RUNNING":
         return status, ""
     if owner is None:
         return status, "no record of the process that ran it"
+    if not other_hosts and owner.host != socket.gethostname():
+        return status, f"its process {owner.pid} runs or ran on host {owner.host}: run `dlpipe sync` there to end it"
     why = owner.gone()
     if why is None:
         return status, f"its process {owner.pid} on {owner.host} is still running"

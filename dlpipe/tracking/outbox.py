@@ -22,6 +22,7 @@ from dlpipe.tracking.http_probe import http_silence
 log = logging.getLogger(__name__)
 
 OUTBOX_FILE = "mlflow_outbox.jsonl"
+OUTBOX_GLOB = "mlflow_outbox*.jsonl"  # and mlflow_outbox.<run id>.jsonl: an earlier run's, moved aside
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
 # SQLite's words for a store that cannot take a write now but can later, once space is freed,
 # another process lets go of its lock or the mount is writable again: an outage, like a server's.

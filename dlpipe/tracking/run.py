@@ -19,18 +19,18 @@ which waits up to `offline_wait_s` for the server before leaving the file to `dl
 """
 
 import logging
-import os
 import time
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
-from dlpipe.errors import DlpipeError, user_message
+from dlpipe.errors import first_line, user_message
 from dlpipe.redact import redact_text
 from dlpipe.stop import Terminated
 from dlpipe.tracking.abandoned import END_REASON_TAG, Owner, close_previous, write_marker
+from dlpipe.tracking.client import client_for, experiment_id
 from dlpipe.tracking.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, outage_reason, unreachable
-from dlpipe.tracking.store_lock import store_opening
+from dlpipe.tracking.store_lock import absolute_uri
 
 log = logging.getLogger(__name__)
 
@@ -40,40 +40,6 @@ MAX_PENDING_METRICS = 20000  # flush mid-epoch beyond this, so a very long epoch
 MAX_PARAM_CHARS = 6000  # MLflow 3's param value limit
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
 PARENT_RUN_ENV = "DLPIPE_PARENT_RUN_ID"  # the sweep parent's run id, set by tracking.sweep for its jobs
-
-
-def client_for(uri: str, timeout_s: float, retries: int):
-    """An MlflowClient whose HTTP calls fail in seconds, not MLflow's default of minutes."""
-    # MLflow reads these when it builds each request session. The config keys decide (each job of
-    # a sweep sets its own), rather than whatever an earlier job or the shell left behind.
-    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(timeout_s, 1)))
-    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(retries)
-    if redact_text(uri) != uri:  # MLflow prints "View run ... at: <the URI, password included>"
-        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-    logging.getLogger("alembic").setLevel(logging.WARNING)  # schema migrations of a new SQLite store
-    # A full or locked SQLite store is an outage that dlpipe reports in one line (MlflowRun._went_away);
-    # MLflow would also print the SQL error's traceback on every refused write.
-    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
-    from mlflow import MlflowClient
-
-    with store_opening(uri):  # the client opens (creates, migrates) the store: one process at a time
-        return MlflowClient(tracking_uri=uri)
-
-
-def experiment_id(client, name: str) -> str:
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        if exp.lifecycle_stage == "deleted":
-            raise DlpipeError(f"tracking.experiment={name}: this experiment is deleted; "
-                              "restore it or pick another name")
-        return exp.experiment_id
-    try:
-        return client.create_experiment(name)
-    except Exception:  # another sweep job created it between our lookup and create
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
 
 
 def _clip(value) -> str:
@@ -108,32 +74,72 @@ class MlflowRun:
         tags = dict(tags)
         if parent_run_id:
             tags[PARENT_TAG] = parent_run_id
-        if marker_dir is not None:
-            close_previous(self.client, marker_dir, uri, resume_run_id)
-        if resume_run_id and self._reopen(resume_run_id):
-            self.run_id = resume_run_id
-            self.resumed = True
-        else:
-            self.run_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
-        if marker_dir is not None:
-            write_marker(marker_dir, self.run_id, uri)
-        self.outbox = Outbox(uri, self.run_id, outbox_path, owner=asdict(Owner.this_process()))
-        if outbox_path is not None and outbox_path.exists():
-            self._send_left_over(outbox_path)
-        # (key, step) already in a reopened run: a resume from an older checkpoint repeats epochs
-        self._logged_steps = self._latest_steps() if self.resumed else {}
-        if self.resumed:
-            self.set_tags(tags)
+        where = absolute_uri(uri)  # what files in the output folder record: valid from any working directory
+        self.run_id = self._open(resume_run_id, run_name, tags, marker_dir, where)
+        try:
+            if marker_dir is not None:
+                write_marker(marker_dir, self.run_id, where)
+            self.outbox = Outbox(where, self.run_id, outbox_path, owner=asdict(Owner.this_process()))
+            if outbox_path is not None and outbox_path.exists():
+                self._take_over(outbox_path)
+            # (key, step) already in a reopened run: a resume from an older checkpoint repeats epochs
+            self._logged_steps = self._latest_steps() if self.resumed else {}
+            if self.resumed:
+                self.set_tags(tags)
+        except BaseException as e:
+            self._fail_opening(e)
+            raise
 
-    def _send_left_over(self, path: Path) -> None:
-        """A resumed job whose previous attempt lost the server: deliver what it kept first."""
-        left = Outbox.load(path)
+    def _open(self, resume_run_id: str | None, run_name: str | None, tags: dict[str, str], marker_dir: Path | None,
+              where: str) -> str:
+        """The checkpoint's run reopened, or a new one; a run an earlier job in `marker_dir` left
+        RUNNING is ended first (unless it is the one reopened)."""
+        if marker_dir is not None:
+            close_previous(self.client, marker_dir, where, resume_run_id)
+        if resume_run_id and self._reopen(resume_run_id):
+            self.resumed = True
+            return resume_run_id
+        if resume_run_id and marker_dir is not None:  # not reopened after all: not spared either
+            close_previous(self.client, marker_dir, where, None)
+        return self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+
+    def _fail_opening(self, error: BaseException) -> None:
+        """The run exists but opening it failed part-way (the constructor raises, so no `with` ends
+        it): end it FAILED rather than leave it RUNNING."""
+        try:
+            self.client.set_tag(self.run_id, END_REASON_TAG, f"opening the run failed: {type(error).__name__}")
+            self.client.set_terminated(self.run_id, "FAILED")
+        except Exception as e:  # the store is away too: a later job in this folder ends it (tracking.abandoned)
+            log.warning("MLflow run %s could not be ended after a failed start (%s)", self.run_id,
+                        redact_text(outage_reason(e)))
+
+    def _take_over(self, path: Path) -> None:
+        """The outbox an earlier attempt left in this folder. This run's writes are sent first (or,
+        with the store still away, kept ahead of the new ones); another run's file is moved aside for
+        `dlpipe sync`, so two runs' writes never share a file; an unreadable one is moved aside too."""
+        try:
+            left = Outbox.load(path)
+        except (OSError, ValueError, KeyError) as e:
+            aside = path.with_name(path.name + ".unreadable")
+            path.replace(aside)
+            log.warning("%s is unreadable (%s): moved to %s; nothing in it can be sent", path, first_line(e), aside)
+            return
         if left.run_id != self.run_id:
-            log.warning("%s holds writes for MLflow run %s, not this one: left for `dlpipe sync`", path, left.run_id)
+            aside = path.with_name(f"{path.stem}.{left.run_id}{path.suffix}")
+            path.replace(aside)
+            log.warning("%s holds writes for MLflow run %s, not this one: moved to %s for `dlpipe sync`",
+                        path, left.run_id, aside)
             return
         left.entries = [e for e in left.entries if "end" not in e]  # this run goes on: no old end
         counts = left.counts()  # before sending: send() drops what it delivers
-        left.send(self.client)
+        try:
+            left.send(self.client)
+        except Exception as e:
+            if not unreachable(e):
+                raise
+            self.outbox.entries = left.entries  # the file holds them already: new writes go after them
+            self._went_away(e)
+            return
         log.info("sent %s kept by the previous attempt", _describe(counts))
 
     def _reopen(self, run_id: str) -> bool:

@@ -9,10 +9,13 @@ next to the store serialises the opening; the runs themselves write concurrently
 """
 
 import fcntl
+import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote
+
+log = logging.getLogger(__name__)
 
 SQLITE_PREFIX = "sqlite:///"
 
@@ -24,6 +27,16 @@ def sqlite_path(uri: str) -> Path | None:
         return None
     path = unquote(uri[len(SQLITE_PREFIX):].split("?", 1)[0])
     return Path(path) if path and path != ":memory:" else None
+
+
+def absolute_uri(uri: str) -> str:
+    """A `sqlite:///relative.db` URI made absolute (what the job's folder records must not depend
+    on where `dlpipe sync` runs); any other URI as it is."""
+    db = sqlite_path(uri)
+    if db is None or db.is_absolute():
+        return uri
+    _, question, query = uri.partition("?")
+    return f"{SQLITE_PREFIX}{db.resolve()}{question}{query}"
 
 
 def lock_path(db: Path) -> Path:
@@ -43,7 +56,10 @@ def store_opening(uri: str):
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies holding it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies holding it
+        except OSError as e:  # a filesystem without locks (some NFS and Lustre mounts): open it as MLflow would
+            log.warning("cannot lock %s (%s): opening the store without serialising", lock_path(db), e.strerror or e)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock

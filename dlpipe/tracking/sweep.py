@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from dlpipe.disk import unwritable
 from dlpipe.redact import redact_overrides
 from dlpipe.stop import STOP_SIGNALS, Terminated
-from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG, client_for, experiment_id
+from dlpipe.tracking.client import client_for, experiment_id
+from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG
 from dlpipe.tracking.sweep_report import job_names, sweep_plot, sweep_table
 
 log = logging.getLogger("dlpipe")

@@ -25,6 +25,7 @@ from dlpipe.training.step_log import LossSum
 log = logging.getLogger(__name__)
 
 MODES = ("stop", "skip_step", "warn")
+MAX_MARKS = 4096  # optimizer steps after a log step whose running loss sum is kept on the device
 
 
 class NonFiniteLoss(DlpipeError):
@@ -40,8 +41,9 @@ class NonFiniteGuard:
         self.amp = amp
         self.skipped = 0  # optimizer steps skipped (skip_step), over the whole run
         self.warned = False  # warn: said once; the losses after the first bad one are rarely finite again
-        # The step log's running sum after each optimizer step since the last log step.
-        self._marks = torch.zeros(every, device=device)
+        # The step log's running sum after each optimizer step since the last log step (the first
+        # MAX_MARKS of them: trainer.log_every=10**9, "never", must not allocate gigabytes).
+        self._marks = torch.zeros(min(every, MAX_MARKS) if mode != "skip_step" else 0, device=device)
         # skip_step: this optimizer step's losses, kept apart until the step is known to be clean
         self.window = LossSum(device) if mode == "skip_step" else None
 
@@ -76,8 +78,9 @@ class NonFiniteGuard:
 
     def mark(self, pending: LossSum, step: int) -> None:
         """After optimizer step `step` (from 1): keep the running sum, on the device (no sync)."""
-        if self.window is None and not self.warned:
-            self._marks[(step - 1) % self.every].copy_(pending.total)
+        index = (step - 1) % self.every
+        if self.window is None and not self.warned and index < len(self._marks):
+            self._marks[index].copy_(pending.total)
 
     def check(self, pending: LossSum, step: int, optimizer: torch.optim.Optimizer, peers: Peers | None = None) -> None:
         """At a log step (before the step log resets) or an epoch's end: act on the first non-finite
@@ -105,7 +108,9 @@ class NonFiniteGuard:
         count = (step - 1) % self.every + 1  # optimizer steps since the last log step, marked in order
         marks = self._marks[:count].tolist()
         bad = [i for i, v in enumerate(marks) if not math.isfinite(v)]
-        if not bad:  # non-finite already in the checkpoint this run resumed from: the marks begin after it
+        # None marked: non-finite already in the checkpoint this run resumed from (the marks begin
+        # after it), or past the first MAX_MARKS steps of a very long log interval: the window's start.
+        if not bad:
             return step - count + 1, total
         return step - count + 1 + bad[0], marks[bad[0]]
 

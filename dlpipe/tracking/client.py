@@ -1,0 +1,44 @@
+"""The MlflowClient every dlpipe process uses: HTTP calls that fail in seconds, a SQLite store opened
+by one process at a time (tracking.store_lock), MLflow's own output kept free of URI passwords."""
+
+import logging
+import os
+
+from dlpipe.errors import DlpipeError
+from dlpipe.redact import redact_logging, redact_text
+from dlpipe.tracking.store_lock import store_opening
+
+
+def client_for(uri: str, timeout_s: float, retries: int):
+    """An MlflowClient whose HTTP calls fail in seconds, not MLflow's default of minutes."""
+    # MLflow reads these when it builds each request session. The config keys decide (each job of
+    # a sweep sets its own), rather than whatever an earlier job or the shell left behind.
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(timeout_s, 1)))
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(retries)
+    if redact_text(uri) != uri:  # MLflow prints "View run ... at: <the URI, password included>"
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # schema migrations of a new SQLite store
+    # A full or locked SQLite store is an outage that dlpipe reports in one line (MlflowRun._went_away);
+    # MLflow would also print the SQL error's traceback on every refused write.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+    redact_logging(logging.getLogger("mlflow"))  # MLflow's own handler: its records skip the root's filter
+    from mlflow import MlflowClient
+
+    with store_opening(uri):  # the client opens (creates, migrates) the store: one process at a time
+        return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            raise DlpipeError(f"tracking.experiment={name}: this experiment is deleted; "
+                              "restore it or pick another name")
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:  # another sweep job created it between our lookup and create
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
