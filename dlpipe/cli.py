@@ -108,7 +108,7 @@ def _job(cfg: DictConfig):
             overrides=OmegaConf.to_container(hc.overrides.task, resolve=False),
             recipe=hc.runtime.choices.get("recipe"),
             multirun=multirun,
-            argv=tuple(sys.argv[1:]),
+            config_dir=next((s.path for s in hc.runtime.config_sources if s.provider == "command-line"), None),
         )
         # Before resolving: ${auto_workers:} divides the CPUs by the ranks on this node.
         export_submitit_env()

@@ -145,3 +145,17 @@ def test_shape_mismatch_and_changed_config(dlpipe, tmp_path):
     r = dlpipe(*SMOKE, "trainer.epochs=2", "optim.lr=0.01", f"hydra.run.dir={run_dir}", "tracking=none")
     assert r.returncode == 0, r.stderr
     assert "resuming with a changed config: optim.lr" in r.stdout + r.stderr
+
+
+def test_the_resume_hint_is_the_jobs_own_command_in_its_folder(tmp_path):
+    """Built from what Hydra recorded, not this process's argv (a launcher's): the config folder, the
+    job's overrides with secrets masked and checkpoint.resume replaced by must, its own output folder."""
+    from dlpipe.tasks.common import JobContext
+    from dlpipe.tasks.train_job import resume_hint
+
+    ctx = JobContext(output_dir=tmp_path / "sweep" / "3", overrides=["loader.num_workers=2", "checkpoint.resume=never",
+                                                                       "+dataset.api_key=SECRET", "x=a b"],
+                     recipe="smoke", multirun=True, config_dir="/my conf")
+    expected = ("resume with: dlpipe --config-dir '/my conf' loader.num_workers=2 '+dataset.api_key=***' 'x=a b' "
+                f"checkpoint.resume=must hydra.run.dir={tmp_path}/sweep/3")
+    assert resume_hint(ctx) == expected

@@ -33,7 +33,7 @@ class JobContext:
     overrides: list[str]
     recipe: str | None
     multirun: bool
-    argv: tuple[str, ...] = ()  # the command line as typed, for the resume hint
+    config_dir: str | None = None  # --config-dir, if given: with the overrides, what a resume repeats
 
 
 def preflight(raw: dict, resolved: dict, task: str) -> tuple[DlpipeConfig, dict[str, str]]:

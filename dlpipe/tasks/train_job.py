@@ -301,13 +301,14 @@ def resume_point(store, policy: str, ranks) -> tuple[dict | None, Path | None]:
 
 
 def resume_hint(ctx: JobContext) -> str:
-    """How to continue this job: the same overrides in the same output folder. Hydra's default folder
-    is named after the launch time, so "the same command" alone would start over in a new one."""
-    # A sweep job's folder is the sweep's plus its job number: the same sweep in the same folder
-    # gives each job its folder back.
-    key, folder = ("hydra.sweep.dir", ctx.output_dir.parent) if ctx.multirun else ("hydra.run.dir", ctx.output_dir)
-    kept = [a for a in ctx.argv if not a.startswith(f"{key}=")]
-    return f"resume with: dlpipe {shlex.join([*redact_overrides(kept), f'{key}={folder}'])}"
+    """The command that continues this job: its config folder and overrides as Hydra recorded them
+    (not this process's argv: under a launcher that is submitit's or joblib's), in this job's output
+    folder (Hydra's default one is named after the launch time, so the same command would start over
+    in a new one), with checkpoint.resume=must (an override `never` would start over and overwrite)."""
+    config = ["--config-dir", ctx.config_dir] if ctx.config_dir else []
+    overrides = [o for o in ctx.overrides if not o.lstrip("+~").startswith("checkpoint.resume=")]
+    args = [*config, *redact_overrides(overrides), "checkpoint.resume=must", f"hydra.run.dir={ctx.output_dir}"]
+    return f"resume with: dlpipe {shlex.join(args)}"
 
 
 def save_stop_checkpoint(trainer, reason: str, store, state: dict | None, hint: str) -> None:
