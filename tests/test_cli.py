@@ -117,8 +117,6 @@ BAD_INPUT = [
     (["loader.batch_size=0"], "loader.batch_size=0: must be >= 1"),
     (["trainer.accumulate=0"], "trainer.accumulate=0: must be >= 1"),
     (["loader.prefetch_factor=0"], "loader.prefetch_factor=0: must be >= 1"),
-    (["loader.num_workers=0", "loader.prefetch_factor=4"],
-     "loader.prefetch_factor=4 with loader.num_workers=0: only workers prefetch"),
     (["trainer.amp=fp8"], "trainer.amp=fp8: allowed: off, bf16, fp16"),
     (["dataset._target_=nopkg.Data"], "dataset._target_=nopkg.Data: cannot be imported"),
     (["trainer.device=cuda:x"], "trainer.device=cuda:x: allowed: cpu, cuda, cuda:N, mps"),

@@ -205,12 +205,14 @@ def test_worker_death_advice_names_only_settings_that_can_go_lower(loader, advic
     assert line.endswith(advice) and "None" not in line, line
 
 
-def test_a_timeout_without_workers_is_dropped_with_a_note():
-    """PyTorch asserts timeout == 0 in the main process; dlpipe drops it and says so, as for prefetch_factor."""
+def test_worker_only_settings_without_workers_are_dropped_with_a_note():
+    """PyTorch raises on a timeout or a prefetch_factor in the main process; dlpipe drops them and says
+    so (a sweep over loader.num_workers=0,2 x loader.prefetch_factor=2,4 runs all its jobs)."""
     from dlpipe.loader.build import build_loader
 
-    plan = build_loader(list(range(8)), batch_size=4, num_workers=0, pin_memory=False, prefetch_factor=None,
+    plan = build_loader(list(range(8)), batch_size=4, num_workers=0, pin_memory=False, prefetch_factor=4,
                         persistent_workers=False, shuffle=False, drop_last=False, timeout=5.0,
                         multiprocessing_context=None, seed=0, cuda=False)
-    assert plan.notes == ["train: loader.timeout=5.0 ignored: it bounds the wait for a worker's batch (num_workers=0)"]
+    assert plan.notes == ["train: loader.prefetch_factor=4 ignored: it needs num_workers > 0",
+                          "train: loader.timeout=5.0 ignored: it bounds the wait for a worker's batch (num_workers=0)"]
     assert [b.tolist() for b in plan.loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -38,11 +38,10 @@ def _check_loader(c: LoaderConfig) -> list[str]:
         p.append(f"loader.val_batch_size={c.val_batch_size}: must be >= 1 or null")
     if c.num_workers < 0:
         p.append(f"loader.num_workers={c.num_workers}: must be >= 0 (0 loads in the main process)")
+    # (With num_workers=0 a prefetch_factor is dropped with a note when the loader is built, like the
+    # other worker-only settings: a sweep over workers x prefetch must run its 0-worker jobs.)
     if c.prefetch_factor is not None and c.prefetch_factor < 1:
         p.append(f"loader.prefetch_factor={c.prefetch_factor}: must be >= 1 or null")
-    elif c.prefetch_factor is not None and c.num_workers == 0:
-        p.append(f"loader.prefetch_factor={c.prefetch_factor} with loader.num_workers=0: only workers prefetch; "
-                 "set loader.num_workers >= 1 or loader.prefetch_factor=null")
     if c.timeout < 0:
         p.append(f"loader.timeout={c.timeout}: must be >= 0 (0 waits forever)")
     if c.multiprocessing_context is not None and c.multiprocessing_context not in _CONTEXTS:
