@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from dlpipe.errors import first_line
+from dlpipe.errors import causes, first_line
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
@@ -47,13 +47,7 @@ def free_space(path: Path) -> str:
 def os_error_in(exc: BaseException | None) -> OSError | None:
     """The OSError behind `exc`, if any: torch.save turns a failed write into a RuntimeError
     ("enforce fail at inline_container.cc") and keeps the OSError only as its context."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, OSError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return next((e for e in causes(exc) if isinstance(e, OSError)), None)
 
 
 def write_failure(exc: BaseException, path: Path) -> str:

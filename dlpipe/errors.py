@@ -26,6 +26,16 @@ class DataError(DlpipeError):
     """A dataset cannot be built or read (missing folder, unreadable image, bad parameters)."""
 
 
+def causes(exc: BaseException | None):
+    """`exc` and the exceptions behind it (`__cause__`, else `__context__`), outermost first; each
+    once, so a cycle in the chain ends the walk."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message, or its type's name when it has none."""
     text = str(exc)

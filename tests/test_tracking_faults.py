@@ -162,9 +162,8 @@ def test_jobs_started_at_once_on_a_new_store_all_run(tmp_path):
 def test_owner_gone_or_alive():
     """A reaped process is gone; this one is alive; a reused pid (other start time) is not the
     owner; another host cannot be checked and is said to be."""
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     me = Owner.this_process()
-    assert "is gone" in Owner(me.host, int(done.stdout), me.started).gone()
+    assert "is gone" in Owner(**gone_owner()).gone()
     assert me.gone() is None
     assert "is gone" in Owner(me.host, me.pid, me.started - 100).gone()
     assert "ran on host elsewhere, which cannot be checked" in Owner("elsewhere", me.pid, me.started).gone()

@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from dlpipe.disk import write_failure
-from dlpipe.errors import first_line
+from dlpipe.errors import causes, first_line
 from dlpipe.redact import without_password
 from dlpipe.tracking.http_probe import http_silence
 
@@ -41,13 +41,11 @@ def unreachable(exc: BaseException) -> bool:
 
     if isinstance(exc, RestException):
         return False  # the server answered: the request itself is at fault
-    seen = exc
-    while seen is not None:
+    for seen in causes(exc):
         if isinstance(seen, (OSError, requests.RequestException)):
             return True
         if isinstance(seen, sqlite3.OperationalError) and any(fault in str(seen) for fault in LOCAL_STORE_FAULTS):
             return True
-        seen = seen.__cause__ or seen.__context__
     # MLflow wraps a failed request in a bare MlflowException without chaining it in some paths
     return isinstance(exc, MlflowException) and str(exc).startswith("API request to")
 
@@ -57,12 +55,8 @@ def outage_reason(exc: BaseException) -> str:
     (MLflow wraps them in a paragraph whose first line is about autoflush), else the first line."""
     import sqlite3
 
-    seen = exc
-    while seen is not None:
-        if isinstance(seen, sqlite3.OperationalError):
-            return f"{type(seen).__name__}: {seen}"
-        seen = seen.__cause__ or seen.__context__
-    return first_line(exc)
+    refused = next((e for e in causes(exc) if isinstance(e, sqlite3.OperationalError)), None)
+    return f"{type(refused).__name__}: {refused}" if refused is not None else first_line(exc)
 
 
 def connect_error(uri: str, timeout_s: float) -> str | None:
