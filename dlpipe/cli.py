@@ -87,6 +87,10 @@ def _task_module(task: str):
         from dlpipe.tasks import eval as evaluation
 
         return evaluation
+    if task == "plan":
+        from dlpipe.tasks import plan
+
+        return plan
     from dlpipe.tasks import train
 
     return train
@@ -109,13 +113,15 @@ def _job(cfg: DictConfig):
             recipe=hc.runtime.choices.get("recipe"),
             multirun=multirun,
             config_dir=next((s.path for s in hc.runtime.config_sources if s.provider == "command-line"), None),
+            choices={group: option for group, option in hc.runtime.choices.items() if option is not None},
         )
         # Before resolving: ${auto_workers:} divides the CPUs by the ranks on this node.
         export_submitit_env()
         from dlpipe.tasks.writable import check_writable
 
         raw, resolved = resolve(cfg)
-        check_writable(ctx, resolved)  # every folder the job writes, before anything is built
+        if resolved.get("task") != "plan":  # a plan writes nothing
+            check_writable(ctx, resolved)  # every folder the job writes, before anything is built
         return _task_module(cfg.get("task", "train")).run(ctx, raw, resolved)
     except KeyboardInterrupt:
         print("dlpipe: interrupted (Ctrl-C)", file=sys.stderr)
@@ -158,12 +164,28 @@ def multirun_first(argv: list[str]) -> list[str]:
     return [argv[0], *flags[:1], *(a for a in argv[1:] if a not in MULTIRUN_FLAGS)]
 
 
+# A plan writes nothing: no output folder, no Hydra record, no log file (its lines go to stdout).
+PLAN_OVERRIDES = ["task=plan", "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
+def plan_argv(argv: list[str]) -> list[str]:
+    """`dlpipe plan ARGS` as `dlpipe ARGS task=plan ...`; a sweep is refused (one job's plan at a time:
+    a sweep would open its parent tracking run and folder)."""
+    if set(MULTIRUN_FLAGS) & set(argv[2:]):
+        print("dlpipe: error: plan with --multirun: a plan shows one job; drop --multirun and give one value "
+              "per key", file=sys.stderr)
+        sys.exit(2)
+    return with_overrides([argv[0], *argv[2:]], PLAN_OVERRIDES)
+
+
 def main() -> None:
     """Console-script entry point (`dlpipe ...`, `python -m dlpipe ...`)."""
     if sys.argv[1:2] == ["sync"]:
         from dlpipe.tasks import sync
 
         sys.exit(sync.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["plan"]:
+        sys.argv = plan_argv(sys.argv)
     if sys.argv[1:2] in (["bench"], ["tune"], ["eval"]):
         # `dlpipe bench ARGS` is `dlpipe ARGS task=bench`: the same Hydra app, so recipes,
         # overrides and --multirun work unchanged (last, after any --config-dir option)

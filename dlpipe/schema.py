@@ -162,6 +162,10 @@ class TelemetryConfig:
     """Micro-steps to skip before profiling (worker start-up and first allocations would dominate)."""
     tracemalloc: bool = False
     """Trace Python allocations and store the top ones at the end (slows Python-heavy loaders)."""
+    measurements_file: str | None = None
+    """Where train, bench and tune keep what they measured of each job's loader, so advice never
+    suggests a setting already measured slower (dlpipe/loader/journal.py); conf/telemetry/default.yaml
+    sets ~/.cache/dlpipe/measurements.jsonl (XDG_CACHE_HOME respected); null keeps nothing."""
 
 
 @dataclass
@@ -249,5 +253,6 @@ class DlpipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     task: str = "train"
-    """train, bench, tune or eval (`dlpipe bench ...`, `dlpipe tune ...` and `dlpipe eval ...` set it)."""
+    """train, bench, tune, eval or plan (`dlpipe bench ...`, `dlpipe tune ...`, `dlpipe eval ...` and
+    `dlpipe plan ...` set it)."""
 

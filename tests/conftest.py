@@ -16,6 +16,21 @@ os.environ.update(NO_PHONE_HOME)
 
 
 @pytest.fixture(scope="session")
+def matplotlib_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("matplotlib"))
+
+
+@pytest.fixture(autouse=True)
+def own_measurements(tmp_path_factory, matplotlib_cache, monkeypatch):
+    """Every test its own measurement journal (telemetry.measurements_file lives under
+    XDG_CACHE_HOME), outside the folder it runs in: what one test measured must never steer another's
+    advice, nor the user's. matplotlib keeps its font cache under XDG_CACHE_HOME too: it gets one
+    for the session (building it costs a second or two)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))
+    monkeypatch.setenv("MPLCONFIGDIR", matplotlib_cache)
+
+
+@pytest.fixture(scope="session")
 def mlflow_store(tmp_path_factory) -> str:
     """One SQLite store for the session (creating one costs seconds); tests use their own experiment."""
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"

@@ -48,9 +48,36 @@ def test_bench_sweep_compares_worker_counts(dlpipe, mlflow_store, mlflow_client)
     assert by_workers["2"] > by_workers["0"]  # two workers overlap the per-item sleeps
 
 
+def test_the_readme_bench_sweep_runs_every_job_and_records_what_each_loader_got(dlpipe, mlflow_store, mlflow_client):
+    """README's `dlpipe bench --multirun ... loader.num_workers=0,... loader.prefetch_factor=2,4` (made
+    small): every job runs; the 0-worker jobs record the prefetch_factor their DataLoader got (none)
+    beside the one they asked for, and pinning on the CPU is recorded as off, asked on."""
+    r = dlpipe("bench", "--multirun", "+recipe=smoke", "dataset.size=64", "trainer.device=cpu",
+               "loader.num_workers=0,1", "loader.prefetch_factor=2,4", "loader.pin_memory=true", "bench.batches=2",
+               "bench.warmup_batches=1", f"tracking.uri={mlflow_store}", "tracking.experiment=bench-readme")
+    assert r.returncode == 0, r.stderr
+    children = [x for x in runs_of(mlflow_client, "bench-readme") if "mlflow.parentRunId" in x.data.tags]
+    assert sorted(c.info.status for c in children) == ["FINISHED"] * 4
+    for child in children:
+        p = child.data.params
+        asked = child.data.tags["dlpipe.overrides"].split("loader.prefetch_factor=")[1].split()[0]
+        if p["loader.num_workers"] == "0":
+            assert (p["loader.prefetch_factor"], p["requested.loader.prefetch_factor"]) == ("null", asked)
+        else:
+            assert p["loader.prefetch_factor"] == asked and "requested.loader.prefetch_factor" not in p
+        assert (p["loader.pin_memory"], p["requested.loader.pin_memory"]) == ("False", "True")
+        assert p["auto.loader.num_workers"] == f"{p['loader.num_workers']} (user override)"  # the source, recorded
+        assert p["auto.loader.persistent_workers"].startswith("False (auto: ")
+    logged = r.stdout + r.stderr
+    assert logged.count("train: loader.prefetch_factor=4 ignored: it needs num_workers > 0") == 1
+    assert "loader.num_workers = 0 (user override)" in logged
+    assert "set by the user" not in logged
+
+
 def test_tune_picks_workers_for_slow_items_and_writes_a_config_that_composes(
         dlpipe, tmp_path, mlflow_store, mlflow_client):
-    r = dlpipe("tune", *SLOW, "bench.batches=6", "bench.warmup_batches=2", "bench.repeats=1",
+    r = dlpipe("tune", *SLOW, "loader.pin_memory=true", "trainer.device=cpu", "bench.batches=6",
+               "bench.warmup_batches=2", "bench.repeats=1",
                f"bench.output_dir={tmp_path / 'out'}", "bench.name=fast",
                f"tracking.uri={mlflow_store}", "tracking.experiment=tune-slow")
     assert r.returncode == 0, r.stderr
@@ -65,6 +92,11 @@ def test_tune_picks_workers_for_slow_items_and_writes_a_config_that_composes(
     trials = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert len(trials) >= 3 and parent.data.metrics["speedup"] >= 1.0
     assert all("samples_per_s" in t.data.metrics for t in trials)
+    # pinning asked for on the CPU: off in every trial (no flip tried without CUDA), and recorded so
+    assert (parent.data.params["loader.pin_memory"], parent.data.params["requested.loader.pin_memory"]) == (
+        "False", "True")
+    assert parent.data.params["auto.loader.pin_memory"] == "True (user override)"
+    assert {t.data.params["loader.pin_memory"] for t in trials} == {"False"} and tuned["pin_memory"] is False
 
     # the file is used with one override, and the lint trusts its measured worker count (Hydra takes
     # one --config-dir: the user's folder holds the test dataset's option beside the tuned loader)

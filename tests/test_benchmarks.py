@@ -100,6 +100,34 @@ def test_startup_runs_and_reports_what_printing_a_config_imports(tmp_path):
     assert rows["dlpipe --help"][3] == "torch=False mlflow=False"
 
 
+def test_data_wait_runs_and_writes_its_table(tmp_path):
+    out = tmp_path / "data_wait.md"
+    r = run(["-m", "benchmarks.data_wait", "--rounds", "1", "--items", "8", "--item-ms", "2", "--out", str(out)],
+            cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    rows = table_rows(text)
+    assert rows[0][:2] == ["loader", "data_wait_frac median"]
+    assert [row[0].split(":")[0] for row in rows[2:]] == ["A", "B"]
+    assert "- A: data_wait_frac " in text and "(goal > 0.8: " in text and "- B/A of data_wait_frac: " in text
+    assert text in r.stdout
+
+
+def test_fetch_probe_runs_and_writes_its_table(tmp_path):
+    out = tmp_path / "fetch_probe.md"
+    r = run(["-m", "benchmarks.fetch_probe", "--rounds", "1", "--memory-size", "512", "--decode-size", "32",
+             "--image-size", "32", "--out", str(out)], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    rows = table_rows(text)
+    assert rows[0][:3] == ["data", "us per item median", "min-max"]
+    assert [row[0] for row in rows[2:]] == ["in-memory rows", "JPEG decode", "slow items"]
+    assert all(row[6] in ("stay", "go (in memory)") for row in rows[2:])
+    for goal in ("- in-memory rows: ", "- JPEG decode: ", "- slow items: the probe took "):
+        assert goal in text
+    assert text in r.stdout
+
+
 def test_suite_runs_the_chosen_scripts_into_one_report(tmp_path):
     # The two fastest scripts at --quick sizes (about 20 s on 2 CPUs); startup alone takes 40 s.
     out = tmp_path / "suite.md"

@@ -99,6 +99,8 @@ def test_sweep_with_a_bad_job_runs_the_others_and_fails(dlpipe, mlflow_store, ml
     assert parent.info.status == "FAILED"
     assert parent.data.tags["dlpipe.failed_jobs"] == "1"
     assert "loader.num_workers=-1" in parent.data.tags["dlpipe.failed_overrides"]
+    summary = open(mlflow_client.download_artifacts(parent.info.run_id, "sweep_summary.md")).read()
+    assert re.search(r"\| `loader.num_workers=-1` +\| FAILED +\| - ", summary)  # no run of its own, still a row
 
 
 # The bad-input table: every way a user can get the command line wrong, one row each. "{tmp}" is the

@@ -263,11 +263,14 @@ def test_persistent_workers_decision(workers, epochs, size, expected):
 
 
 def test_explain_marks_auto_and_user_values():
-    """Every hardware-aware key is explained: its reason when automatic, 'set by the user' otherwise."""
+    """Every hardware-aware key is explained: its reason when automatic, its source otherwise
+    (tests/test_sources.py: every kind of source)."""
+    from dlpipe.config.sources import Origin
+
     cfg = make("loader.num_workers=3")
     raw, resolved = resolve(cfg)
-    why = decisions.explain(raw, resolved)
-    assert why["loader.num_workers"] == "3 (set by the user)"
+    why = decisions.explain(raw, resolved, Origin(("loader.num_workers=3",), {"loader": "auto"}))
+    assert why["loader.num_workers"] == "3 (user override)"
     assert why["loader.prefetch_factor"].startswith("2 (auto: 3 workers")
     assert why["loader.pin_memory"].startswith("False (auto:") or why["loader.pin_memory"].startswith("True (auto:")
     assert set(why) == {"loader.num_workers", "loader.pin_memory", "loader.prefetch_factor",

@@ -63,6 +63,10 @@ def test_pin_memory_without_cuda_is_turned_off_quietly():
     so, once per run rather than once per loader."""
     plan = build(tensor_dataset(), pin_memory=True, cuda=False)
     assert plan.loader.pin_memory is False and plan.notes == []
+    # what the run records: the value the DataLoader got, and the one asked for beside it
+    assert plan.settings["pin_memory"] is False and plan.requested == {"pin_memory": True}
+    pinned = build(tensor_dataset(), pin_memory=True, cuda=True)  # builds on a CPU-only machine too
+    assert pinned.settings["pin_memory"] is True and pinned.requested == {}
 
 
 @pytest.mark.parametrize(
@@ -217,3 +221,16 @@ def test_more_workers_than_cpus_warn_through_the_lint_only():
         torch.utils.data.DataLoader(tensor_dataset(), num_workers=too_many)  # a plain DataLoader still warns
     messages = [str(w.message) for w in caught if "worker processes" in str(w.message)]
     assert len(messages) == 1
+
+
+def test_an_unset_prefetch_is_recorded_as_what_the_workers_keep_ready():
+    """With workers, prefetch_factor=None is PyTorch's default of 2: the effective value says so, so
+    `loader=pytorch` and `loader.prefetch_factor=2` record the same loader; without workers, nothing."""
+    from dlpipe.loader.build import normalise
+
+    asked = {"prefetch_factor": None, "persistent_workers": False, "multiprocessing_context": None, "timeout": 0,
+             "pin_memory": False}
+    effective, requested, notes = normalise(2, asked, cuda=False)
+    assert effective["prefetch_factor"] == 2 and requested == {"prefetch_factor": None} and notes == []
+    effective, requested, _ = normalise(0, asked, cuda=False)
+    assert effective["prefetch_factor"] is None and requested == {}

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from dlpipe import hardware
+from dlpipe.config.sources import Origin
 from dlpipe.loader import policy
 
 
@@ -126,8 +127,9 @@ def _lookup(tree: dict, dotted: str):
     return tree
 
 
-def explain(raw: dict, resolved: dict) -> dict[str, str]:
-    """For every hardware-aware key: 'VALUE (auto: reason)' or 'VALUE (set by the user)'.
+def explain(raw: dict, resolved: dict, origin: Origin) -> dict[str, str]:
+    """For every hardware-aware key: 'VALUE (auto: reason)', or 'VALUE (SOURCE)' with the source of
+    a value set some other way (a user override, the recipe, a config option: config.sources).
 
     `raw` is the config before interpolation, `resolved` after; both plain containers.
     """
@@ -137,5 +139,5 @@ def explain(raw: dict, resolved: dict) -> dict[str, str]:
         if policy.is_auto(_lookup(raw, key), resolver):
             out[key] = f"{value} (auto: {recompute(resolved).reason})"
         else:
-            out[key] = f"{value} (set by the user)"
+            out[key] = f"{value} ({origin.source(key, _lookup(raw, key))})"
     return out

@@ -27,6 +27,13 @@ def conf_dir() -> Path:
     return _shipped("conf")
 
 
+def user_cache_dir() -> str:
+    """$XDG_CACHE_HOME, or ~/.cache where it is unset, empty or relative (the XDG spec's rule: an
+    empty value must not put the cache at the filesystem's root)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return xdg if os.path.isabs(xdg) else str(Path("~/.cache").expanduser())
+
+
 def recipe_dirs() -> list[Path]:
     """The shipped recipes folder followed by the user's folders from $DLPIPE_RECIPE_PATH."""
     dirs = [_shipped("recipes")]

@@ -7,6 +7,7 @@ with its inputs so the run can log *why* (no hidden state shared between the two
 from omegaconf import OmegaConf
 
 from dlpipe.config import decisions
+from dlpipe.config.paths import user_cache_dir
 
 RESOLVERS = {
     "auto_workers": lambda: decisions.workers().value,
@@ -15,6 +16,7 @@ RESOLVERS = {
     "auto_amp": lambda device: decisions.amp(device).value,
     "auto_prefetch": lambda num_workers: decisions.prefetch(num_workers).value,
     "auto_persistent": lambda *args: decisions.persistent(*args).value,
+    "user_cache": user_cache_dir,
 }
 
 

@@ -123,7 +123,7 @@ def _check_metrics(metrics) -> list[str]:
     return check_named_targets("metrics", metrics, "torchmetrics.MeanAbsoluteError")
 
 
-_TASKS = ("train", "bench", "tune", "eval")
+_TASKS = ("train", "bench", "tune", "eval", "plan")
 _BENCH_MODES = ("loader", "train")
 
 

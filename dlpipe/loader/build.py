@@ -28,6 +28,10 @@ class LoaderPlan:
     """Bytes of one collated batch (see batch_bytes())."""
     inflight_bytes: int
     """Bytes the workers hold ready: num_workers x prefetch_factor x batch_bytes."""
+    settings: dict = dataclasses.field(default_factory=dict)
+    """The normalised settings (NORMALISED keys) the DataLoader got."""
+    requested: dict = dataclasses.field(default_factory=dict)
+    """key -> the value asked for, for each of `settings` that normalise() changed."""
 
 
 class EpochOrder(Sampler[int]):
@@ -123,6 +127,36 @@ def dataloader_settings(loader: LoaderConfig) -> dict:
     return settings
 
 
+NORMALISED = ("pin_memory", "prefetch_factor", "persistent_workers", "timeout", "multiprocessing_context")
+"""The loader keys normalise() may change; every other key reaches the DataLoader as configured."""
+
+
+def normalise(num_workers: int, asked: dict, cuda: bool) -> tuple[dict, dict, list[str]]:
+    """(the NORMALISED settings PyTorch accepts for `num_workers`, key -> the value asked for of each
+    one changed, a note per change but pin_memory's: the lint says that once a run, with the fix).
+    The one place train, bench, tune (each trial) and `dlpipe plan` get their effective loader values from."""
+    out, notes = dict(asked), []
+    if num_workers == 0:
+        if out["prefetch_factor"] is not None:
+            notes.append(f"loader.prefetch_factor={out['prefetch_factor']} ignored: it needs num_workers > 0")
+            out["prefetch_factor"] = None
+        if out["persistent_workers"]:
+            notes.append("loader.persistent_workers=true ignored: there are no workers to keep (num_workers=0)")
+            out["persistent_workers"] = False
+        if out["multiprocessing_context"] is not None:
+            notes.append(f"loader.multiprocessing_context={out['multiprocessing_context']} ignored: num_workers=0")
+            out["multiprocessing_context"] = None
+        if out["timeout"]:  # PyTorch asserts timeout == 0 without workers: there is no worker to wait for
+            notes.append(f"loader.timeout={out['timeout']} ignored: it bounds the wait for a worker's batch "
+                         "(num_workers=0)")
+            out["timeout"] = type(out["timeout"])(0)  # 0.0 for a float: recorded as the config records it
+    elif out["prefetch_factor"] is None:  # PyTorch's own default then: record what the workers really keep ready
+        out["prefetch_factor"] = policy.PREFETCH_DEFAULT
+    if out["pin_memory"] and not cuda:
+        out["pin_memory"] = False  # PyTorch would warn on every epoch; dlpipe.lint says it once, with the fix
+    return out, {key: value for key, value in asked.items() if out[key] != value}, notes
+
+
 def build_loader(
     dataset: Dataset,
     *,
@@ -149,22 +183,9 @@ def build_loader(
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__} (a loader.collate_fn "
                         "node is built by dlpipe.tasks.build.loader_settings)")
-    notes = []
-    if num_workers == 0:
-        if prefetch_factor is not None:
-            notes.append(f"loader.prefetch_factor={prefetch_factor} ignored: it needs num_workers > 0")
-            prefetch_factor = None
-        if persistent_workers:
-            notes.append("loader.persistent_workers=true ignored: there are no workers to keep (num_workers=0)")
-            persistent_workers = False
-        if multiprocessing_context is not None:
-            notes.append(f"loader.multiprocessing_context={multiprocessing_context} ignored: num_workers=0")
-            multiprocessing_context = None
-        if timeout:  # PyTorch asserts timeout == 0 without workers: there is no worker to wait for
-            notes.append(f"loader.timeout={timeout} ignored: it bounds the wait for a worker's batch (num_workers=0)")
-            timeout = 0
-    if pin_memory and not cuda:
-        pin_memory = False  # PyTorch would warn on every epoch; dlpipe.lint says it once, with the fix
+    asked = dict(zip(NORMALISED, (pin_memory, prefetch_factor, persistent_workers, timeout, multiprocessing_context),
+                     strict=True))
+    settings, requested, notes = normalise(num_workers, asked, cuda)
 
     # The generator fixes the per-worker base seed (EpochOrder fixes the order); each worker then seeds
     # torch, `random` and NumPy from base_seed + worker_id itself, so augmentations differ per
@@ -182,14 +203,10 @@ def build_loader(
         drop_last=drop_last,
         collate_fn=collate_fn,
         num_workers=num_workers,
-        pin_memory=pin_memory,
-        prefetch_factor=prefetch_factor,
-        persistent_workers=persistent_workers,
-        timeout=timeout,
-        multiprocessing_context=multiprocessing_context,
+        **settings,
         worker_init_fn=worker_init_fn() if num_workers > 0 else None,
         generator=generator,
     )
     batch = batch_bytes(dataset, batch_size, collate_fn)
-    inflight = policy.inflight_bytes(num_workers, prefetch_factor, batch)
-    return LoaderPlan(loader, [f"{role}: {n}" for n in notes], batch, inflight)
+    inflight = policy.inflight_bytes(num_workers, settings["prefetch_factor"], batch)
+    return LoaderPlan(loader, [f"{role}: {n}" for n in notes], batch, inflight, settings, requested)

@@ -8,7 +8,7 @@ child MLflow run and the sweep's parent gets the comparison table (the classic
 import logging
 
 from dlpipe import hardware
-from dlpipe.tasks.common import JobContext, flatten, open_run, prepare_measurement, recorded_config, run_tags
+from dlpipe.tasks.common import JobContext, config_params, open_run, prepare_measurement, run_tags
 
 log = logging.getLogger("dlpipe")
 
@@ -16,15 +16,15 @@ log = logging.getLogger("dlpipe")
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     """Measure the configured loader; returns samples/s."""
     from dlpipe.loader.measure import describe, measure
+    from dlpipe.tasks.evidence import bench_mode, measurement_file, settings_of
 
-    job = prepare_measurement(raw, resolved)
+    job = prepare_measurement(ctx, raw, resolved)
     cfg, bench, loader = job.cfg, job.cfg.bench, job.plan.loader
     log.info("bench: %d batches of %d after %d warm-up, num_workers=%d prefetch_factor=%s persistent_workers=%s "
              "pin_memory=%s (%s mode)", bench.batches, cfg.loader.batch_size, bench.warmup_batches,
              loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory, bench.mode)
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
-    shown = recorded_config(cfg)
-    params = flatten({key: shown[key] for key in ("loader", "bench", "dataset")})
+    params = config_params(cfg, job.plan, job.decided, "loader", "bench", "dataset")
     params.update(hardware.host_facts(cpu=job.budget))
     params["loader.batch_bytes_est"] = str(job.plan.batch_bytes)
     with open_run(ctx, cfg.tracking, run_tags(ctx, **{"dlpipe.task": "bench"})) as tracked:
@@ -37,5 +37,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
             job.sampler.stop()
         metrics = result.metrics()
         tracked.log_metrics(metrics, step=0)
+    # for the advice of later runs of this job (tasks.evidence)
+    measurement_file(cfg, job.budget.budget, bench_mode(cfg)).append(settings_of(loader), metrics["samples_per_s"],
+                                                                     "dlpipe bench")
     print(f"bench: {describe(metrics)}", flush=True)
     return metrics["samples_per_s"]

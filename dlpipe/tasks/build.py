@@ -107,7 +107,7 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
     items are cheap to fetch in this process (data in memory), and persistence is decided on the
     real batches per epoch. Values the user set stand (the lint and `dlpipe tune` can question
     them). Returns the loader settings and the reason for each value decided here."""
-    from dlpipe.config.decisions import workers_for_data
+    from dlpipe.config.decisions import prefetch, workers_for_data
     from dlpipe.loader.probe import item_fetch_seconds
 
     reasons = {}
@@ -117,8 +117,10 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
         if decision.value != loader.num_workers:
             loader = replace(loader, num_workers=decision.value)
             reasons["loader.num_workers"] = f"{decision.value} (auto: {decision.reason})"
-            if policy.is_auto(raw_loader["prefetch_factor"], "auto_prefetch"):
-                loader = replace(loader, prefetch_factor=None)  # follows the worker count
+            if policy.is_auto(raw_loader["prefetch_factor"], "auto_prefetch"):  # follows the worker count
+                follows = prefetch(decision.value)
+                loader = replace(loader, prefetch_factor=follows.value)
+                reasons["loader.prefetch_factor"] = f"{follows.value} (auto: {follows.reason})"
     if policy.is_auto(raw_loader["persistent_workers"], "auto_persistent"):
         # Always: the resolver may not have known the dataset's size, and then its reason lacks the batches.
         batches = policy.batches_per_epoch(len(train_set), loader.batch_size, world, loader.drop_last)

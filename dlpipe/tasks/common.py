@@ -10,11 +10,12 @@ import logging
 import os
 import socket
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dlpipe import hardware
 from dlpipe.config.decisions import explain
+from dlpipe.config.sources import Origin
 from dlpipe.config.validation import validate
 from dlpipe.errors import DlpipeError, first_line
 from dlpipe.redact import redact_logging, redact_overrides, redact_text, redact_tree
@@ -34,16 +35,23 @@ class JobContext:
     recipe: str | None
     multirun: bool
     config_dir: str | None = None  # --config-dir, if given: with the overrides, what a resume repeats
+    choices: dict[str, str] = field(default_factory=dict)  # group -> option, as Hydra composed them
+
+    @property
+    def origin(self) -> Origin:
+        """How the config was composed: what says where each value came from."""
+        return Origin(tuple(self.overrides), dict(self.choices), self.config_dir)
 
 
-def preflight(raw: dict, resolved: dict, task: str) -> tuple[DlpipeConfig, dict[str, str]]:
-    """The checks every task runs before building anything: (the typed config, the reason for each
-    automatic value, logged here and recorded as the run's `auto.*` params)."""
+def preflight(raw: dict, resolved: dict, task: str, ctx: JobContext) -> tuple[DlpipeConfig, dict[str, str]]:
+    """The checks every task runs before building anything: (the typed config, the source of each
+    hardware-aware value with the reason for each automatic one, logged here and recorded as the
+    run's `auto.*` params)."""
     if task != "train":
         check_single_process(os.environ, task)
     cfg = validate(resolved)
     check_tracking_reachable(cfg.tracking)
-    decided = explain(raw, resolved)
+    decided = explain(raw, resolved, ctx.origin)
     for key, why in decided.items():
         log.info("%s = %s", key, why)
     return cfg, decided
@@ -60,15 +68,16 @@ class Measurement:
     step: object  # callable(batch) or None
     sampler: object  # telemetry.sampler.ResourceSampler
     budget: hardware.CpuBudget
+    decided: dict[str, str]  # each hardware-aware value with its source (preflight, fitted to the data)
 
 
-def prepare_measurement(raw: dict, resolved: dict) -> Measurement:
+def prepare_measurement(ctx: JobContext, raw: dict, resolved: dict) -> Measurement:
     """The checks and objects bench and tune share."""
     from dlpipe.tasks.build import build_datasets, build_loaders, build_model
     from dlpipe.telemetry.sampler import ResourceSampler
     from dlpipe.training.rng import seed_everything
 
-    cfg, decided = preflight(raw, resolved, resolved.get("task", "bench"))
+    cfg, decided = preflight(raw, resolved, resolved.get("task", "bench"), ctx)
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
     train_set, _, dataset = build_datasets(cfg)
     fit_loader(raw, cfg, train_set, decided)
@@ -79,7 +88,7 @@ def prepare_measurement(raw: dict, resolved: dict) -> Measurement:
     budget = hardware.cpu_budget()
     warn_about_loaders(cfg, train_set, (plan,), budget.budget)
     sampler = ResourceSampler(cfg.telemetry.sample_interval_s, budget.budget, gpu_for(cfg.trainer.device))
-    return Measurement(cfg, train_set, plan, step, sampler, budget)
+    return Measurement(cfg, train_set, plan, step, sampler, budget, decided)
 
 
 def measured_train_step(cfg: DlpipeConfig, model, optimizer):
@@ -143,11 +152,22 @@ def warn_about_loaders(cfg: DlpipeConfig, train_set, plans, cpu_budget: int) -> 
     """Each loader's build notes, then the pre-flight lint of the training loader."""
     from dlpipe.loader.lint import lint_job
 
-    for plan in plans:
-        for note in plan.notes if plan else ():
-            log.warning(note)
+    for note in loader_notes(plans):
+        log.warning(note)
     for line in lint_job(cfg, len(train_set), plans[0].batch_bytes, cpu_budget):
         log.warning("lint: %s", line)
+
+
+def loader_notes(plans) -> list[str]:
+    """The loaders' build notes, each said once with the loaders it applies to ('train, val: ...'):
+    a setting dropped for both is one change, and a task with only a training loader (bench, tune)
+    says the same words as training does."""
+    roles: dict[str, list[str]] = {}
+    for plan in plans:
+        for note in plan.notes if plan else ():
+            role, _, text = note.partition(": ")
+            roles.setdefault(text, []).append(role)
+    return [f"{', '.join(where)}: {text}" for text, where in roles.items()]
 
 
 def recorded_config(cfg: DlpipeConfig) -> dict:
@@ -165,6 +185,27 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
         else:
             out[name] = "null" if value is None else str(value)
     return out
+
+
+def config_params(cfg: DlpipeConfig, plan, decided: dict[str, str], *sections: str) -> dict[str, str]:
+    """The config's `sections` as params (secrets masked), with the loader values `plan`'s DataLoader
+    got, and `auto.KEY` for each hardware-aware value with its source, as training records them."""
+    shown = recorded_config(cfg)
+    return {**flatten({key: shown[key] for key in sections}), **loader_params(plan),
+            **{f"auto.{key}": why for key, why in decided.items()}}
+
+
+def loader_params(plan) -> dict[str, str]:
+    """A built loader's settings as params: under each loader key the value the DataLoader got (a
+    prefetch_factor dropped at 0 workers, pin_memory off without CUDA), and `requested.loader.KEY`
+    beside it where the config asked for another value. Logged after the config's params, so these
+    win: jobs that asked differently but ran the same loader record the same values."""
+    return settings_params(plan.settings, plan.requested)
+
+
+def settings_params(settings: dict, requested: dict) -> dict[str, str]:
+    """`loader.KEY` params of the settings a DataLoader got, `requested.loader.KEY` of those asked otherwise."""
+    return {**flatten({"loader": settings}), **flatten({"requested": {"loader": requested}})}
 
 
 def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     from dlpipe.training.resume import init_weights
     from dlpipe.training.rng import seed_everything
 
-    cfg, decided = preflight(raw, resolved, "eval")
+    cfg, decided = preflight(raw, resolved, "eval", ctx)
     if not cfg.checkpoint.init_from:
         raise ConfigError(["checkpoint.init_from=null: dlpipe eval scores saved weights; set "
                            "checkpoint.init_from=PATH (a checkpoint file or a run's checkpoints/ folder)"])

@@ -35,7 +35,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
 
         # Each rank its own GPU, before the config is checked and its values explained.
         trainer["device"] = distributed.device_for("cuda", ranks, torch.cuda.device_count())
-    cfg, decided = preflight(raw, resolved, "train")
+    cfg, decided = preflight(raw, resolved, "train", ctx)
     if not ranks.distributed:
         return train(ctx, raw, cfg, decided, distributed.SINGLE)
     distributed.start(ranks, cfg.trainer.device)

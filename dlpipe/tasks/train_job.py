@@ -6,7 +6,6 @@ owns its teardown (`close`).
 """
 
 import logging
-import shlex
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -16,13 +15,24 @@ import yaml
 
 from dlpipe import hardware
 from dlpipe.errors import DataError, DlpipeError, first_line
-from dlpipe.redact import redact_overrides
 from dlpipe.schema import DlpipeConfig
 from dlpipe.stop import StopTraining, Terminated
-from dlpipe.tasks.common import JobContext, fit_loader, flatten, gpu_for, recorded_config, run_tags, warn_about_loaders
+from dlpipe.tasks.common import (
+    JobContext,
+    fit_loader,
+    flatten,
+    gpu_for,
+    loader_params,
+    recorded_config,
+    run_tags,
+    warn_about_loaders,
+)
+from dlpipe.tasks.resume_point import resume_hint, resume_point, save_stop_checkpoint
 
 if TYPE_CHECKING:  # torch-heavy modules, imported when a job is built
     from dlpipe.loader.build import LoaderPlan
+    from dlpipe.loader.journal import MeasurementFile
+    from dlpipe.telemetry.advice import Evidence
     from dlpipe.telemetry.profiling import AllocationSnapshot, StepProfiler
     from dlpipe.telemetry.sampler import ResourceSampler
     from dlpipe.training.checkpoint import CheckpointStore
@@ -51,6 +61,9 @@ class TrainJob:
     resolved_yaml: str
     config_flat: dict[str, str]
     cpu_budget: int
+    evidence: "Evidence"
+    journal: "MeasurementFile"
+    """This job's training-run lines of the measurement journal: the run's own samples/s goes there."""
     run_id: str | None = None
     _closed: list | None = field(default=None, repr=False)
 
@@ -102,14 +115,17 @@ class TrainJob:
             self.trainer.peers.barrier()  # start the clocks together: rank 0 took longer, opening the run
         return self.trainer.fit(self.loader, self.val_plan.loader if self.val_plan else None)
 
-    def judge(self, metrics: dict[str, float]):
+    def judge(self, metrics: dict[str, float], warm: bool):
         from dlpipe.telemetry.verdict import diagnose
 
-        return diagnose(metrics, num_workers=self.loader.num_workers, cpu_budget=self.cpu_budget,
-                        pin_memory=self.loader.pin_memory, device_type=self.trainer.device.type)
+        loader = self.loader
+        return diagnose(metrics, num_workers=loader.num_workers, cpu_budget=self.cpu_budget,
+                        pin_memory=bool(loader.pin_memory), device_type=self.trainer.device.type,
+                        prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+                        evidence=self.evidence, warm=warm)
 
     def after_epoch(self, row: dict[str, float]) -> None:
-        log.info("epoch %d: %s", int(row["epoch"]), self.judge(row).line())
+        log.info("epoch %d: %s", int(row["epoch"]), self.judge(row, warm=row["epoch"] > 1).line())
         if self.cfg.checkpoint.enabled:
             state = self.checkpoint_state()
             if self.ranks.is_main:
@@ -181,11 +197,19 @@ class TrainJob:
 
     def record_outcome(self, run, history: list[dict[str, float]]):
         """The run's verdict, worker-memory warning and end tags; returns the verdict."""
+        from dlpipe.tasks.evidence import settings_of
         from dlpipe.telemetry.verdict import rss_slope, run_metrics, worker_leak
 
-        verdict = self.judge(run_metrics(history))
+        measured = run_metrics(history)
+        verdict = self.judge(measured, warm=len(history) > 1)  # run_metrics leaves the first epoch out
         tags = {"dlpipe.gpu_metrics": self.sampler.gpu_status, "dlpipe.optimizer_steps": str(self.trainer.step),
                 "dlpipe.verdict": verdict.kind, "dlpipe.verdict_detail": verdict.line()}
+        if verdict.change:
+            tags["dlpipe.advice"] = verdict.change  # the sweep checks it against its other jobs
+        # Judged before it is recorded (the run is not its own evidence); a single epoch's figure carries
+        # the start-up that the journal's other lines leave out.
+        if self.ranks.is_main and len(history) > 1:
+            self.journal.append(settings_of(self.loader), measured.get("samples_per_s", 0.0), "training run")
         if self.trainer.stopped_early:
             log.info("training ended early: %s", self.trainer.stopped_early)
             tags["dlpipe.stopped_early"] = self.trainer.stopped_early
@@ -211,6 +235,7 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
         metric_direction,
         monitor_mode,
     )
+    from dlpipe.tasks.evidence import gather, measurement_file
     from dlpipe.training.accumulation import epoch_batches, optimizer_steps
     from dlpipe.training.checkpoint import CheckpointStore
     from dlpipe.training.rng import seed_everything
@@ -225,6 +250,9 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     budget = hardware.cpu_budget()
     if ranks.is_main:
         warn_about_loaders(cfg, train_set, (train_plan, val_plan), budget.budget)
+    # Ranks' samples/s add up: a journal of single-process runs would compare it against the wrong thing.
+    journal = measurement_file(cfg, budget.budget, "epoch", enabled=not ranks.distributed)
+    evidence = gather(cfg, budget.budget, train_set, train_plan.loader, enabled=not ranks.distributed)
     objective, val_metrics = build_objective_and_metrics(cfg, model, train_set, train_plan.loader.collate_fn)
     validates = val_plan is not None and cfg.trainer.limit_val_batches != 0
     mode = monitor_mode(cfg, val_metrics, validates)
@@ -244,7 +272,7 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     params = {**config_flat, **hardware.host_facts(cpu=budget), **{f"auto.{k}": v for k, v in decided.items()},
               **job_params(cfg, ranks, train_plan, model)}
     return TrainJob(ctx, cfg, ranks, train_plan, val_plan, trainer, store, sampler, profiler, allocations,
-                    params, run_tags(ctx), resolved_yaml, config_flat, budget.budget)
+                    params, run_tags(ctx), resolved_yaml, config_flat, budget.budget, evidence, journal)
 
 
 def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int, extras: dict):
@@ -274,65 +302,15 @@ def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, c
 
 
 def job_params(cfg: DlpipeConfig, ranks, train_plan, model) -> dict[str, str]:
-    """Params measured from what was built (loader memory, model size, the data-parallel layout)."""
-    params = {"loader.batch_bytes_est": str(train_plan.batch_bytes),
+    """Params measured from what was built (the training loader's effective settings, loader memory,
+    model size, the data-parallel layout)."""
+    params = {**loader_params(train_plan), "loader.batch_bytes_est": str(train_plan.batch_bytes),
               "loader.inflight_bytes_est": str(train_plan.inflight_bytes),
               "model.parameters": str(sum(p.numel() for p in model.parameters()))}
     if ranks.distributed:
         params.update({"dist.world_size": str(ranks.world), "dist.local_world_size": str(ranks.local_world),
                        "dist.global_batch": str(cfg.trainer.accumulate * cfg.loader.batch_size * ranks.world)})
     return params
-
-
-def resume_point(store, policy: str, ranks) -> tuple[dict | None, Path | None]:
-    """(state, path) to resume from; with several ranks, rank 0 chooses and the others load the
-    same file (each rank's own listing of a network filesystem may lag behind)."""
-    from dlpipe.training import distributed
-    from dlpipe.training.checkpoint import load
-    from dlpipe.training.resume import find_start
-
-    if not ranks.distributed:
-        return find_start(store, policy)
-    start, path = find_start(store, policy) if ranks.is_main else (None, None)
-    path = distributed.broadcast(None if path is None else str(path))
-    if ranks.is_main or path is None:
-        return start, None if path is None else Path(path)
-    return load(Path(path)), Path(path)
-
-
-def resume_hint(ctx: JobContext) -> str:
-    """The command that continues this job: its config folder and overrides as Hydra recorded them
-    (not this process's argv: under a launcher that is submitit's or joblib's), in this job's output
-    folder (Hydra's default one is named after the launch time, so the same command would start over
-    in a new one), with checkpoint.resume=must (an override `never` would start over and overwrite)."""
-    config = ["--config-dir", ctx.config_dir] if ctx.config_dir else []
-    overrides = [o for o in ctx.overrides if not o.lstrip("+~").startswith("checkpoint.resume=")]
-    args = [*config, *redact_overrides(overrides), "checkpoint.resume=must", f"hydra.run.dir={ctx.output_dir}"]
-    return f"resume with: dlpipe {shlex.join(args)}"
-
-
-def save_stop_checkpoint(trainer, reason: str, store, state: dict | None, hint: str) -> None:
-    """Write the interrupted epoch's checkpoint (rank 0), or say why there is none."""
-    from dlpipe.training.checkpoint import CheckpointError, save_atomic
-
-    epoch = len(trainer.history) + 1
-    if not trainer.stop.interrupted_epoch:
-        log.warning("stopped by %s in epoch %d between optimizer steps (the loader's workers died of the "
-                    "signal): resuming starts from the last finished epoch", reason, epoch)
-        return
-    if store is None:
-        log.warning("stopped by %s in epoch %d: checkpoint.enabled=false, nothing saved", reason, epoch)
-        return
-    # Named after the epoch it is in: it is the newest, and the finished epoch before it stays as
-    # the fallback. The next full save of this epoch replaces it.
-    path = store.epoch_path(epoch)
-    try:
-        save_atomic(state, path)  # not store.save: pruning would count it and drop a finished epoch
-    except CheckpointError as e:  # a full disk: the stop itself still ends KILLED (a requeue resumes)
-        log.error("stopped by %s in epoch %d: %s; resuming starts from the last finished epoch", reason, epoch, e)
-        return
-    log.warning("stopped by %s in epoch %d after batch %d: saved %s; %s", reason, epoch, trainer.stop.at_batch,
-                path, hint)
 
 
 def out_of_memory_advice(cfg: DlpipeConfig, error: BaseException) -> str:

@@ -19,25 +19,23 @@ from dlpipe import hardware
 from dlpipe.loader import policy
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard
 from dlpipe.schema import DlpipeConfig
-from dlpipe.tasks.common import JobContext, flatten, open_run, prepare_measurement, recorded_config, run_tags
+from dlpipe.tasks.common import JobContext, config_params, open_run, prepare_measurement, run_tags, settings_params
 
 log = logging.getLogger("dlpipe")
 
 
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     """Search, write OUTPUT_DIR/loader/NAME.yaml, log every trial; returns the best samples/s."""
-    job = prepare_measurement(raw, resolved)
+    job = prepare_measurement(ctx, raw, resolved)
     cfg, plan, budget, sampler = job.cfg, job.plan, job.budget, job.sampler
     bench, cuda = cfg.bench, cfg.trainer.device.startswith("cuda")
     max_workers = bench.max_workers if bench.max_workers is not None else budget.budget + max(2, budget.budget // 2)
     crosses_epochs = bench.warmup_batches + bench.batches > len(plan.loader)
-    start = Candidate(plan.loader.num_workers, plan.loader.prefetch_factor if plan.loader.num_workers else None,
-                      plan.loader.persistent_workers, bool(plan.loader.pin_memory))
+    start = start_candidate(plan)
     tags = run_tags(ctx, **{"dlpipe.task": "tune"})
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
     with open_run(ctx, cfg.tracking, tags) as parent:
-        shown = recorded_config(cfg)
-        parent.log_params({**flatten({"loader": shown["loader"], "bench": shown["bench"]}),
+        parent.log_params({**config_params(cfg, plan, job.decided, "loader", "bench"),
                            **hardware.host_facts(cpu=budget)})
         evaluate = evaluator(cfg, parent, tags, job.train_set, plan.batch_bytes, sampler, job.step)
         started = time.perf_counter()
@@ -60,6 +58,14 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     return result.best.samples_per_s
 
 
+def start_candidate(plan) -> Candidate:
+    """The search's start: the settings the job's own DataLoader got (normalised: pin_memory is off
+    without CUDA, so no trial pins there and the search flips pinning only with CUDA)."""
+    loader = plan.loader  # PyTorch's own prefetch default included: what the workers really keep ready
+    return Candidate(loader.num_workers, loader.prefetch_factor if loader.num_workers else None,
+                     loader.persistent_workers, bool(loader.pin_memory))
+
+
 def automatic_persistence(raw: dict, cfg: DlpipeConfig, train_size: int):
     """persistent_workers for a worker count by the job's own rule (loader.policy) when the config
     leaves it automatic, so the written file never holds a value the lint would then question."""
@@ -74,12 +80,14 @@ def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_
     and a child MLflow run per measured candidate."""
     from dlpipe.loader.measure import describe
     from dlpipe.tasks.build import loader_settings
+    from dlpipe.tasks.evidence import bench_mode, measurement_file
     from dlpipe.tracking.run import MlflowRun
 
     bench, tracking = cfg.bench, cfg.tracking
     settings = loader_settings(cfg.loader)  # loader.collate_fn built: every candidate collates like the job
     cuda = cfg.trainer.device.startswith("cuda")
     worker_rss = [0.0]  # the largest per-worker RSS measured so far, for the memory guard
+    journal = measurement_file(cfg, hardware.cpu_budget().budget, bench_mode(cfg))  # for later runs' advice
 
     def evaluate(c: Candidate) -> Trial:
         why = memory_guard(c, batch_bytes, hardware.shm_free_bytes(), hardware.memory_available_bytes(), worker_rss[0])
@@ -89,17 +97,29 @@ def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_
         trial = measure_candidate(c, train_set, settings, bench.batches, bench.warmup_batches, bench.repeats,
                                   cfg.trainer.seed, cuda, sampler, step)
         worker_rss[0] = max(worker_rss[0], trial.metrics.get("worker_rss_mean_mb", 0.0) * 2**20)
+        journal.append({**c.settings(), "pin_memory": c.pin_memory and cuda}, trial.samples_per_s, "dlpipe tune")
         log.info("tune: %s: %s (runs %s)", c.label(), describe(trial.metrics), " ".join(f"{v:.0f}" for v in trial.runs))
         if tracking.enabled:
             child = MlflowRun(tracking.uri, tracking.experiment, c.label(), {**tags, "dlpipe.task": "tune-trial"},
                               parent_run_id=parent.run_id, timeout_s=tracking.request_timeout_s,
                               retries=tracking.request_retries)
             with child:
-                child.log_params({f"loader.{k}": v for k, v in c.settings().items()})
+                child.log_params(trial_params(c, settings, cuda))
                 child.log_metrics(trial.metrics, step=0)
         return trial
 
     return evaluate
+
+
+def trial_params(c: Candidate, settings: dict, cuda: bool) -> dict[str, str]:
+    """A trial's params as a job's (common.loader_params): the settings its DataLoader got (the
+    candidate's over the config's, normalised as build_loader does), the requested ones beside."""
+    from dlpipe.loader.build import NORMALISED, normalise
+
+    chosen = {**settings, **c.settings()}
+    asked = {key: chosen[key] for key in NORMALISED}
+    effective, requested, _ = normalise(c.num_workers, asked, cuda)
+    return settings_params({**c.settings(), **effective}, requested)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 class EpochClock:
     """Accumulates one epoch's timing. Call `waited` after each next(loader), `stepped` after each step."""
 
-    started: float = field(default_factory=time.perf_counter)
+    # looked up at each call (not bound here), so the clock a test puts in its place applies throughout
+    started: float = field(default_factory=lambda: time.perf_counter())
     data_wait_s: float = 0.0
     h2d_s: float | None = None
     """Seconds blocked in host-to-device copies; None when not measured (CPU training)."""

@@ -7,10 +7,25 @@ Thresholds (documented in the README):
 - compute-bound: neither; the loader keeps up.
 """
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from statistics import fmean
 
 from dlpipe.hardware import recommended_workers
+from dlpipe.loader import policy
+from dlpipe.loader.journal import MIN_GAIN, effective
+from dlpipe.telemetry.advice import (
+    Evidence,
+    Finding,
+    PerItem,
+    check,
+    fewer_workers_gain,
+    gain_text,
+    is_cheap,
+    item_cost,
+    more_workers_gain,
+    wait_bound,
+)
 
 INPUT_BOUND = 0.20
 CPU_SATURATED = 85.0
@@ -27,9 +42,37 @@ class Verdict:
     """The measured numbers behind it."""
     advice: str
     """The change to try, as an override where there is one."""
+    gain: float | None = None
+    """The advice's expected samples/s ratio: measured (`measured`), else an upper bound."""
+    basis: str = ""
+    """The measurement the gain comes from."""
+    measured: bool = False
+    change: str | None = None
+    """The advice as one override (`loader.num_workers=2`), for the sweep to check against its jobs."""
+    rough: bool = False
+    """The gain is a model's estimate ("about"), not measured and not a hard bound ("up to")."""
 
     def line(self) -> str:
-        return f"{self.kind}: {self.evidence}" + (f"; {self.advice}" if self.advice else "")
+        text = f"{self.kind}: {self.evidence}" + (f"; {self.advice}" if self.advice else "")
+        if self.gain is not None:
+            how = "" if self.measured else "about " if self.rough else "up to "
+            text += f" (expected {how}{gain_text(self.gain)}: {self.basis})"
+        return text
+
+
+@dataclass(frozen=True)
+class LoaderState:
+    """The settings the training loader really runs with (after normalisation) and its CPU budget."""
+
+    num_workers: int
+    cpu_budget: int
+    pin_memory: bool = False
+    prefetch_factor: int | None = None
+    persistent_workers: bool = False
+
+    def settings(self) -> dict:
+        return effective({"num_workers": self.num_workers, "prefetch_factor": self.prefetch_factor,
+                          "persistent_workers": self.persistent_workers, "pin_memory": self.pin_memory})
 
 
 def more_workers(num_workers: int, cpu_budget: int) -> int:
@@ -39,31 +82,112 @@ def more_workers(num_workers: int, cpu_budget: int) -> int:
 
 
 def diagnose(metrics: dict[str, float], *, num_workers: int, cpu_budget: int, pin_memory: bool,
-             device_type: str) -> Verdict:
-    """The bottleneck of one epoch (or of a run, given epoch means)."""
-    wait = metrics.get("data_wait_frac", 0.0)
-    cpu = metrics.get("cpu_util")
-    h2d = metrics.get("h2d_frac", 0.0)
+             device_type: str, prefetch_factor: int | None = None, persistent_workers: bool = False,
+             evidence: Evidence | None = None, warm: bool = True) -> Verdict:
+    """The bottleneck of one epoch (or of a run, given epoch means), with advice that no measurement
+    in `evidence` (the probe, the measurement journal) contradicts. `warm`: the metrics leave out the
+    first epoch's start-up, so they compare with earlier runs' (loader.journal files such runs)."""
+    job = Judged(metrics, LoaderState(num_workers, cpu_budget, pin_memory, prefetch_factor, persistent_workers),
+                 evidence or Evidence(), warm)
+    wait, h2d = metrics.get("data_wait_frac", 0.0), metrics.get("h2d_frac", 0.0)
     if wait >= INPUT_BOUND:
-        if cpu is not None and cpu >= CPU_SATURATED and num_workers > 0:
-            return Verdict(
-                "cpu-budget-bound",
-                f"data wait {wait:.0%} with {cpu:.0f}% of the {cpu_budget}-CPU budget in use ({num_workers} workers)",
-                "more workers cannot help: make per-item transforms cheaper or give the job more CPUs",
-            )
-        target = more_workers(num_workers, cpu_budget)
-        if target > num_workers:
-            return Verdict("input-bound", f"data wait {wait:.0%} of the epoch", f"try loader.num_workers={target}")
-        return Verdict(
-            "input-bound",
-            f"data wait {wait:.0%} with workers at the {cpu_budget}-CPU budget but CPU not saturated",
-            "items wait on I/O or locks: raise loader.prefetch_factor or read faster storage",
-        )
+        return _input_bound(job)
     if device_type == "cuda" and h2d >= H2D_BOUND:
-        advice = ("set loader.pin_memory=true" if not pin_memory
-                  else "send less data per step (uint8 images, normalise on the GPU)")
-        return Verdict("host-to-device-bound", f"{h2d:.0%} of the epoch blocked in host-to-device copies", advice)
+        seen = f"{h2d:.0%} of the epoch blocked in host-to-device copies"
+        free = (wait_bound(h2d), "if the copies cost nothing (this epoch's h2d_frac)")
+        smaller = Verdict("host-to-device-bound", seen, "send less data per step (uint8 images, normalise on the GPU)",
+                          *free)
+        if pin_memory:
+            return smaller
+        return job.advise("host-to-device-bound", seen, {"pin_memory": True}, "loader.pin_memory=true", free,
+                          lambda f: replace(smaller, evidence=f"{seen}; pinning is no answer here ({f.basis})"))
     return Verdict("compute-bound", f"the loader keeps up (data wait {wait:.0%})", "")
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One verdict's inputs, and the one way advice is given: checked against the evidence first."""
+
+    metrics: dict[str, float]
+    loader: LoaderState
+    evidence: Evidence
+    warm: bool = True
+
+    def advise(self, kind: str, seen: str, change: dict, override: str, estimate: tuple,
+               otherwise: Callable[[Finding], Verdict]) -> Verdict:
+        """Advise `override`, with the measured gain where the journal has one and the estimate
+        otherwise: (gain, basis), or (gain, basis, True) for a model's rough figure rather than a bound;
+        `otherwise(finding)` when a measurement found the change no faster."""
+        finding = check(change, self.loader.settings(), self.metrics, self.evidence, self.warm)
+        if finding.measured and not finding.faster:
+            return otherwise(finding)
+        if finding.measured:
+            return Verdict(kind, seen, f"try {override}", finding.ratio, finding.basis, True, override)
+        gain, basis, *rough = estimate
+        return Verdict(kind, seen, f"try {override}", gain, basis, change=override, rough=bool(rough and rough[0]))
+
+
+def _input_bound(job: Judged) -> Verdict:
+    metrics, workers, budget = job.metrics, job.loader.num_workers, job.loader.cpu_budget
+    wait = metrics.get("data_wait_frac", 0.0)
+    per_item = PerItem.of(metrics)
+    cost, source = item_cost(per_item, workers, job.evidence)
+    seen = f"data wait {wait:.0%} of the epoch"
+    if is_cheap(cost):
+        return _cheap_items(job, f"{seen}; items take {cost * 1e6:.1f} us each to fetch in the main process "
+                                 f"({source})", per_item, cost)
+    cpu = metrics.get("cpu_util")
+    if cpu is not None and cpu >= CPU_SATURATED and workers > 0:
+        return Verdict(
+            "cpu-budget-bound",
+            f"data wait {wait:.0%} with {cpu:.0f}% of the {budget}-CPU budget in use ({workers} workers)",
+            "more workers cannot help: make per-item transforms cheaper or give the job more CPUs",
+            wait_bound(wait), FREE_DATA,
+        )
+    target = more_workers(workers, budget)
+    if target > workers:
+        gain = more_workers_gain(per_item, cost, workers, target, wait)
+        basis = ("if the loader's rate grew with the workers while the epoch's other work stays (this epoch)"
+                 if workers or cost is not None else FREE_DATA)
+        return job.advise("input-bound", seen, {"num_workers": target}, f"loader.num_workers={target}",
+                          (gain, basis, workers > 0 or cost is not None),
+                          lambda f: _no_answer(seen, f"loader.num_workers={target}", f, wait))
+    prefetch = 2 * policy.prefetch_in_effect(workers, job.loader.prefetch_factor)
+    seen = (f"data wait {wait:.0%} with workers at the {budget}-CPU budget but CPU not saturated: items wait on "
+            "I/O or locks (read faster storage, or keep more batches in flight)")
+    return job.advise("input-bound", seen, {"prefetch_factor": prefetch}, f"loader.prefetch_factor={prefetch}",
+                      (wait_bound(wait), FREE_DATA),
+                      lambda f: _no_answer(seen, f"loader.prefetch_factor={prefetch}", f, wait))
+
+
+FREE_DATA = "if the wait for data went away (this epoch's data wait)"
+
+CHEAP_ITEMS_ADVICE = ("fetch fewer, larger pieces: raise loader.batch_size (each batch's fixed costs spread over "
+                      "more items; scale optim.lr with it), give the dataset a __getitems__(indices) that gathers a "
+                      "whole batch at once, or move per-item work out of __getitem__ (into the model, on the device)")
+
+
+def _cheap_items(job: Judged, seen: str, per_item: PerItem | None, cost: float) -> Verdict:
+    """Items in memory: workers cannot help (with workers, the main process fetches them faster)."""
+    wait = job.metrics.get("data_wait_frac", 0.0)
+    cheap = Verdict("input-bound", f"{seen}, under the {policy.CHEAP_ITEM_S * 1e6:.0f} us where workers start to "
+                     "pay: more workers cannot help", CHEAP_ITEMS_ADVICE, wait_bound(wait), FREE_DATA)
+    gain = fewer_workers_gain(per_item, cost, wait)
+    if job.loader.num_workers == 0 or gain < 1 + MIN_GAIN:
+        return cheap
+    handover = (f"{seen}: {job.loader.num_workers} workers hand them over slower than the main process fetches "
+                "them")
+    return job.advise("input-bound", handover, {"num_workers": 0}, "loader.num_workers=0",
+                      (gain, "if the main process fetches as fast as the probe, beside the epoch's other work", True),
+                      lambda finding: replace(cheap, evidence=f"{cheap.evidence}; loader.num_workers=0 is no answer "
+                                                                f"either ({finding.basis})"))
+
+
+def _no_answer(seen: str, override: str, finding: Finding, wait: float) -> Verdict:
+    """Input-bound, but the change the rules would suggest was measured no faster: say so instead."""
+    return Verdict("input-bound", seen, f"{override} is no answer here ({finding.basis}): make per-item work cheaper "
+                   "(decode or resize ahead of time, cache) or give the job more CPUs",
+                   wait_bound(wait), FREE_DATA)
 
 
 def run_metrics(history: list[dict[str, float]]) -> dict[str, float]:

@@ -3,7 +3,8 @@
 The parent's id reaches the jobs through an environment variable, which every launcher passes on:
 the basic launcher runs jobs in this process, submitit's local and Slurm executors inherit the
 submitting environment. At the end the parent gets a comparison table (sweep_summary.md), the same
-numbers as a bar chart (sweep_summary.png; both from dlpipe/sweep_report.py) and the best job's name.
+numbers as bar charts (sweep_summary.png; from tracking/sweep_jobs, sweep_report and sweep_chart) and
+the best job's name.
 
 Hydra turns exceptions in callbacks into warnings, so a failure here never stops the sweep; the
 tests check the parent/child link in a real store to catch a silently broken callback.
@@ -24,11 +25,22 @@ from dlpipe.redact import redact_overrides
 from dlpipe.stop import STOP_SIGNALS, Terminated
 from dlpipe.tracking.client import client_for, experiment_id
 from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG
-from dlpipe.tracking.sweep_report import job_names, sweep_plot, sweep_table
+from dlpipe.tracking.sweep_advice import CHECK_TAG, withdrawn_advice
+from dlpipe.tracking.sweep_chart import sweep_plot
+from dlpipe.tracking.sweep_jobs import Job, best_job, sweep_jobs
+from dlpipe.tracking.sweep_report import sweep_table
 
 log = logging.getLogger("dlpipe")
 
 FAILED_TAG_PREFIX = "dlpipe.failed_job."  # + Hydra job number -> that job's overrides
+MAX_TAG_CHARS = 8000  # MLflow's tag value limit
+
+
+def tag_value(text: str) -> str:
+    """`text` cut to fit a tag. MLflow cuts a longer value the same way, but raises instead with
+    MLFLOW_TRUNCATE_LONG_VALUES=false, which here would leave the parent RUNNING or lose a failed
+    job's row. Cut alike, a failed job's overrides still equal its child run's `dlpipe.overrides`."""
+    return text[:MAX_TAG_CHARS]
 
 
 class SweepTracking(Callback):
@@ -88,7 +100,8 @@ class SweepTracking(Callback):
         tracking = OmegaConf.to_container(config.tracking, resolve=True)
         client = self.client or client_for(tracking["uri"], tracking["request_timeout_s"], tracking["request_retries"])
         job_num = config.hydra.job.get("num", 0)
-        client.set_tag(parent, f"{FAILED_TAG_PREFIX}{job_num}", " ".join(redact_overrides(job_return.overrides or [])))
+        overrides = " ".join(redact_overrides(job_return.overrides or []))
+        client.set_tag(parent, f"{FAILED_TAG_PREFIX}{job_num}", tag_value(overrides))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         self._finish(ended_cleanly=True)
@@ -106,10 +119,7 @@ class SweepTracking(Callback):
         children = self.client.search_runs(
             [parent_run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'", max_results=10000
         )
-        table, best, best_name = sweep_table(children)
-        self.client.log_text(parent, table + "\n", "sweep_summary.md")
-        print(f"\nsweep summary ({len(children)} runs, last epoch of each)\n" + table, flush=True)
-        self._log_plot(parent, children)
+        best = self._summarise(parent, parent_run, children)
 
         # A job that failed inside its run is both a non-FINISHED child and a failed-job tag:
         # count jobs by their overrides so it is counted once.
@@ -129,20 +139,52 @@ class SweepTracking(Callback):
         else:
             status = "FINISHED"
         if best is not None:
-            tags["dlpipe.best_job"] = best_name
-            tags["dlpipe.best_run_id"] = best.info.run_id
-            self.client.log_metric(parent, "best_samples_per_s", best.data.metrics["samples_per_s"])
-            print(f"best job: {best_name} ({best.data.metrics['samples_per_s']:.1f} samples/s)", flush=True)
+            tags["dlpipe.best_job"] = best.name
+            tags["dlpipe.best_run_id"] = best.run_id
+            self.client.log_metric(parent, "best_samples_per_s", best.metrics["samples_per_s"])
+            print(f"best job: {best.name} ({best.metrics['samples_per_s']:.1f} samples/s)", flush=True)
         for k, v in tags.items():
-            self.client.set_tag(parent, k, v)
+            self.client.set_tag(parent, k, tag_value(v))
         self.client.set_terminated(parent, status)
 
-    def _log_plot(self, parent: str, children) -> None:
-        """The table as a bar chart, artifact sweep_summary.png. The chart is an extra: if drawing or
+    def _summarise(self, parent: str, parent_run, children) -> Job | None:
+        """Print the table and log it (sweep_summary.md) and the chart; return the fastest job.
+        Jobs that failed before they had a run are rows too, known from the failed-job tags. The
+        summary is an extra: if it fails, say so and let _finish end the parent with its status."""
+        try:
+            failed = {int(k.removeprefix(FAILED_TAG_PREFIX)): v
+                      for k, v in parent_run.data.tags.items() if k.startswith(FAILED_TAG_PREFIX)}
+            jobs = sweep_jobs(children, [failed[n] for n in sorted(failed)])
+            table = sweep_table(jobs)
+            without_run = len(jobs) - len(children)
+            counts = f"{len(children)} runs" + (f", {without_run} jobs failed before a run" if without_run else "")
+            print(f"\nsweep summary ({counts}, last epoch of each)\n" + table, flush=True)
+            self.client.log_text(parent, table + "\n", "sweep_summary.md")
+        except Exception as e:  # noqa: BLE001 - any failure here must not leave the parent RUNNING
+            log.warning("sweep_summary.md not logged: %s: %s", type(e).__name__, e)
+            return None
+        self._check_advice(jobs, children)
+        self._log_plot(parent, jobs)
+        return best_job(jobs)
+
+    def _check_advice(self, jobs: list[Job], children) -> None:
+        """Withdraw each job's advice that another job of the sweep ran no faster (sweep_advice): tag
+        the advising job and say it under the table. An extra, like the chart."""
+        try:
+            withdrawn = withdrawn_advice(children, {j.run_id: j.name for j in jobs if j.run_id})
+            for run_id, why in withdrawn.items():
+                self.client.set_tag(run_id, CHECK_TAG, tag_value(why))
+                name = next(j.name for j in jobs if j.run_id == run_id)
+                print(f"advice of job {name}: {why}", flush=True)
+        except Exception as e:  # noqa: BLE001 - any failure here must not leave the parent RUNNING
+            log.warning("advice not checked against the sweep: %s: %s", type(e).__name__, e)
+
+    def _log_plot(self, parent: str, jobs: list[Job]) -> None:
+        """The table as bar charts, artifact sweep_summary.png. The chart is an extra: if drawing or
         uploading it fails, say so and let _finish go on to end the parent with its status."""
         try:
             with tempfile.TemporaryDirectory(prefix="dlpipe-sweep-") as tmp:
-                png = sweep_plot(children, job_names(children), Path(tmp) / "sweep_summary.png")
+                png = sweep_plot(jobs, Path(tmp) / "sweep_summary.png")
                 if png is not None:
                     self.client.log_artifact(parent, str(png))
         except Exception as e:  # noqa: BLE001 - any failure here must not leave the parent RUNNING

@@ -1,0 +1,62 @@
+"""How a training job picks up again: where it resumes from, the command that resumes it, and the
+checkpoint a stop signal leaves behind."""
+
+import logging
+import shlex
+from pathlib import Path
+
+from dlpipe.redact import redact_overrides
+from dlpipe.tasks.common import JobContext
+
+log = logging.getLogger("dlpipe")
+
+
+def resume_point(store, policy: str, ranks) -> tuple[dict | None, Path | None]:
+    """(state, path) to resume from; with several ranks, rank 0 chooses and the others load the
+    same file (each rank's own listing of a network filesystem may lag behind)."""
+    from dlpipe.training import distributed
+    from dlpipe.training.checkpoint import load
+    from dlpipe.training.resume import find_start
+
+    if not ranks.distributed:
+        return find_start(store, policy)
+    start, path = find_start(store, policy) if ranks.is_main else (None, None)
+    path = distributed.broadcast(None if path is None else str(path))
+    if ranks.is_main or path is None:
+        return start, None if path is None else Path(path)
+    return load(Path(path)), Path(path)
+
+
+def resume_hint(ctx: JobContext) -> str:
+    """The command that continues this job: its config folder and overrides as Hydra recorded them
+    (not this process's argv: under a launcher that is submitit's or joblib's), in this job's output
+    folder (Hydra's default one is named after the launch time, so the same command would start over
+    in a new one), with checkpoint.resume=must (an override `never` would start over and overwrite)."""
+    config = ["--config-dir", ctx.config_dir] if ctx.config_dir else []
+    overrides = [o for o in ctx.overrides if not o.lstrip("+~").startswith("checkpoint.resume=")]
+    args = [*config, *redact_overrides(overrides), "checkpoint.resume=must", f"hydra.run.dir={ctx.output_dir}"]
+    return f"resume with: dlpipe {shlex.join(args)}"
+
+
+def save_stop_checkpoint(trainer, reason: str, store, state: dict | None, hint: str) -> None:
+    """Write the interrupted epoch's checkpoint (rank 0), or say why there is none."""
+    from dlpipe.training.checkpoint import CheckpointError, save_atomic
+
+    epoch = len(trainer.history) + 1
+    if not trainer.stop.interrupted_epoch:
+        log.warning("stopped by %s in epoch %d between optimizer steps (the loader's workers died of the "
+                    "signal): resuming starts from the last finished epoch", reason, epoch)
+        return
+    if store is None:
+        log.warning("stopped by %s in epoch %d: checkpoint.enabled=false, nothing saved", reason, epoch)
+        return
+    # Named after the epoch it is in: it is the newest, and the finished epoch before it stays as
+    # the fallback. The next full save of this epoch replaces it.
+    path = store.epoch_path(epoch)
+    try:
+        save_atomic(state, path)  # not store.save: pruning would count it and drop a finished epoch
+    except CheckpointError as e:  # a full disk: the stop itself still ends KILLED (a requeue resumes)
+        log.error("stopped by %s in epoch %d: %s; resuming starts from the last finished epoch", reason, epoch, e)
+        return
+    log.warning("stopped by %s in epoch %d after batch %d: saved %s; %s", reason, epoch, trainer.stop.at_batch,
+                path, hint)

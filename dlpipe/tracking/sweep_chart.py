@@ -1,0 +1,141 @@
+"""A sweep's jobs as bar charts, one panel per metric, each marking its own best job.
+
+A panel's best is judged by that panel's direction (less data wait is better, more samples/s is
+better), among FINISHED jobs only: a failed or killed job's numbers cover a partial run. Jobs
+equal at the precision shown are all marked; where no finished job is worse than another, the
+panel marks none (there is nothing to choose). CPU use is shown but never ranked: a share of the
+CPU budget is neither good nor bad by itself (more CPU buying more samples/s is cores put to work,
+less CPU at fewer samples/s is cores left idle); the samples/s panel says which setting won.
+matplotlib is imported only when a chart is drawn.
+"""
+
+import textwrap
+from pathlib import Path
+from typing import NamedTuple
+
+from dlpipe.tracking.sweep_jobs import Job, best_job, same_settings_notes
+
+
+class Panel(NamedTuple):
+    title: str
+    metric: str
+    factor: float
+    """Applied for display (a fraction shown in percent)."""
+    better: int
+    """+1: higher is better, -1: lower is better, 0: not ranked."""
+
+
+# A panel is drawn only when some job logged its metric: gpu_util exists only where NVML measured
+# it, and a missing GPU must not look like an idle one.
+PANELS = [
+    Panel("samples/s (higher is better)", "samples_per_s", 1.0, +1),
+    Panel("data wait, % of epoch (lower is better)", "data_wait_frac", 100.0, -1),
+    Panel("epoch time s (lower is better)", "epoch_time_s", 1.0, -1),
+    Panel("CPU, % of budget (not ranked)", "cpu_util", 1.0, 0),
+    Panel("GPU utilisation % (higher is better)", "gpu_util", 1.0, +1),
+    # the process tree: workers hold most of a loader setting's memory, the main process little of it
+    Panel("peak RSS MB, process + workers (lower is better)", "tree_rss_peak_mb", 1.0, -1),
+]
+
+BEST_COLOR = "#2ca02c"
+OTHER_COLOR = "#8c9fb5"
+UNFINISHED_COLOR = "#d9d9d9"
+
+
+def shown(value: float) -> str:
+    """A bar's value as printed beside it."""
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
+
+
+def plot_panels(jobs: list[Job]) -> list[Panel]:
+    """The PANELS some job has a metric for, in PANELS order."""
+    return [p for p in PANELS if any(p.metric in j.metrics for j in jobs)]
+
+
+def panel_best(jobs: list[Job], panel: Panel) -> list[Job]:
+    """The FINISHED jobs best by the panel's own direction; ties (equal as shown) are all best.
+    Empty for an unranked panel, and where every finished job is as good as the best."""
+    ranked = [j for j in jobs if j.finished and panel.metric in j.metrics]
+    if not panel.better or not ranked:
+        return []
+    top = max(ranked, key=lambda j: panel.better * j.metrics[panel.metric])
+    label = shown(top.metrics[panel.metric] * panel.factor)
+    best = [j for j in ranked if shown(j.metrics[panel.metric] * panel.factor) == label]
+    return [] if len(best) == len(ranked) else best
+
+
+def describe(panels: list[Panel], bests: list[list[Job]], jobs: list[Job]) -> str:
+    """What the chart shows, for the PNG's Description chunk: tools and tests read it back."""
+    lines = ["panels: " + ", ".join(p.metric for p in panels)]
+    for panel, best in zip(panels, bests):
+        marked = " ".join(str(j.number) for j in best) or ("none" if panel.better else "not ranked")
+        lines.append(f"best {panel.metric}: {marked}")
+    lines += [f"same settings: {note}" for note in same_settings_notes(jobs)]
+    return "\n".join(lines)
+
+
+def headline(jobs: list[Job]) -> str:
+    """The chart's title: how many jobs, the fastest finished one, and which jobs ran the same settings."""
+    text = f"sweep: {len(jobs)} jobs, last epoch of each"
+    best = best_job(jobs)
+    if best is not None:
+        text += f"; best: {best.number}: {best.name} ({best.metrics['samples_per_s']:.1f} samples/s)"
+    return "; ".join([text, *same_settings_notes(jobs)])
+
+
+def label(job: Job) -> str:
+    text = "\n".join(textwrap.wrap(f"{job.number}: {job.name}", 34))
+    return text if job.finished else f"{text}\n({job.status})"
+
+
+def sweep_plot(jobs: list[Job], path: Path) -> Path | None:
+    """Draw one horizontal bar panel per metric, one bar per job with numbers, each panel's best
+    marked; save a PNG. Returns the path written, or None when no job has a metric to plot."""
+    jobs = [j for j in jobs if j.metrics]
+    panels = plot_panels(jobs)
+    if not panels:
+        return None
+    # The Figure API draws without pyplot, so no global backend is chosen or changed: this also
+    # runs inside a training process that has its own matplotlib state, and on headless machines.
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    labels = [label(j) for j in jobs]
+    lines_per_job = max(text.count("\n") + 1 for text in labels)
+    height = 1.9 + len(jobs) * (0.3 + 0.2 * lines_per_job)
+    fig = Figure(figsize=(2.2 + 3.3 * len(panels), height), layout="constrained")
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    bests = [panel_best(jobs, panel) for panel in panels]
+    for ax, panel, best in zip(axes, panels, bests):
+        draw_panel(ax, jobs, panel, best)
+    axes[0].set_yticks(range(len(jobs)), labels, fontsize=8)
+    axes[0].invert_yaxis()  # first job on top, as in the table (shared y: inverts every panel)
+    title = headline(jobs)
+    fig.suptitle("\n".join(textwrap.wrap(title, 40 + 30 * len(panels))), fontsize=10)
+    legend = [Patch(facecolor=BEST_COLOR, edgecolor="black", label="best in its panel, among FINISHED"),
+              Patch(facecolor=OTHER_COLOR, label="FINISHED"),
+              Patch(facecolor=UNFINISHED_COLOR, label="FAILED or KILLED (partial run)")]
+    fig.legend(handles=legend, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    path = Path(path)
+    latin1 = {k: v.encode("latin-1", "replace").decode("latin-1")  # PNG text chunks are Latin-1
+              for k, v in {"Title": title, "Description": describe(panels, bests, jobs)}.items()}
+    fig.savefig(path, format="png", dpi=110, metadata=latin1)
+    return path
+
+
+def draw_panel(ax, jobs: list[Job], panel: Panel, best: list[Job]) -> None:
+    """One panel: a bar per job (a missing metric reads n/a, never 0), the panel's best outlined."""
+    values = [j.metrics.get(panel.metric) for j in jobs]
+    bar_values = [0.0 if v is None else v * panel.factor for v in values]
+    colors = [BEST_COLOR if j in best else OTHER_COLOR if j.finished else UNFINISHED_COLOR for j in jobs]
+    edges = ["black" if j in best else "none" for j in jobs]
+    bars = ax.barh(range(len(jobs)), bar_values, color=colors, edgecolor=edges)
+    top = max(bar_values) or 1.0
+    ax.set_xlim(0, top * 1.3)  # room for the value labels
+    for bar, v, x in zip(bars, values, bar_values):
+        ax.text(x + top * 0.02, bar.get_y() + bar.get_height() / 2, "n/a" if v is None else shown(x),
+                va="center", fontsize=8)
+    ax.set_title(panel.title, fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
