@@ -64,6 +64,8 @@ BENCHMARKS = (
     Benchmark("data_wait", "a slow loader's data_wait_frac > 0.8", ("--items", "8", "--item-ms", "2"), r"^- "),
     Benchmark("fetch_probe", "in-memory rows under 50 us per item, JPEG decode above; a slow probe under 0.5 s",
               ("--memory-size", "512", "--decode-size", "32", "--image-size", "32"), r"^- "),
+    Benchmark("fetch_modes", "loader.fetch=batch >= 2x item on tabular rows in the main process",
+              ("--rows", "512", "--workers", "0"), r"^- "),
     Benchmark("gpu_loader_case_study", "reproduce the published case study: GPU utilisation 65% -> 89%, "
               "epoch 53 -> 37 min", TINY_VISION, r"^ratio ", needs_cuda=True),
 )

@@ -44,6 +44,11 @@ class LoaderConfig:
     collate_fn: Any = None
     """A `_target_` node that builds the function turning a list of items into a batch (e.g.
     dlpipe.loader.collate.PadSequences for variable-length sequences); None: PyTorch's default_collate."""
+    fetch: str = "auto"
+    """item: __getitem__ per index, then collate (PyTorch's way); batch: one gather per batch (a list
+    of indices in, the collated batch out: TensorDataset, dlpipe's tabular and token datasets, a
+    __getitems__ returning a batch); auto: batch where the dataset's gather equals the per-item
+    collate exactly (checked on a few indices), else item (dlpipe/loader/fetch.py)."""
     val_batch_size: int | None = None
     """Validation batch size; None uses batch_size (no gradients, so larger is usually fine)."""
     tuned_on: str | None = None

@@ -188,3 +188,16 @@ def test_suite_skips_the_gpu_case_study_without_a_gpu(tmp_path):
     rows = table_rows(out.read_text())
     assert rows[2][0] == "gpu_loader_case_study" and rows[2][3] == "skipped: no CUDA GPU"
     assert "\n## gpu_loader_case_study\n\nskipped: no CUDA GPU" in out.read_text()
+
+
+def test_fetch_modes_runs_and_writes_its_table(tmp_path):
+    out = tmp_path / "fetch_modes.md"
+    r = run(["-m", "benchmarks.fetch_modes", "--rounds", "1", "--rows", "256", "--workers", "0",
+             "--out", str(out)], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    rows = table_rows(text)
+    assert rows[0] == ["data", "workers", "A samples/s median", "min-max", "B samples/s median", "min-max", "B/A"]
+    assert [row[:2] for row in rows[2:]] == [["tabular rows", "0"], ["tokens", "0"]]
+    assert "- tabular rows, main process: B/A " in text and "(goal >= 2: " in text
+    assert text in r.stdout

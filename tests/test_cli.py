@@ -114,6 +114,7 @@ BAD_INPUT = [
     (["+dataset.colour=red"], "dataset.colour: not a parameter of dlpipe.data.vision.SyntheticJPEGDataset"),
     (["loader.batch_size=abc"], "loader.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     (["loader=fast"], "loader=fast: no such loader option; available: auto, in_memory, padded, pytorch"),
+    (["loader.fetch=batches"], "loader.fetch=batches: allowed: auto, item, batch"),
     (["trainer.devices=0"], "trainer.devices=0: must be >= 1 (processes on this node, one per GPU)"),
     (["model=nope"], "model=nope: no such model option; available: cnn, custom, mlp, transformer"),
     (["loader.batch_size=0"], "loader.batch_size=0: must be >= 1"),
@@ -144,6 +145,8 @@ BAD_INPUT_CLI = [
     (["loader.num_workers=-1"], "loader.num_workers=-1: must be >= 0"),  # validation
     (["dataset.crop_size=99"], "crop_size"),  # the dataset's own check, when it is built
     (["trainer.device=mps"], "trainer.device=mps: this torch build or machine has no MPS device"),
+    (["loader.fetch=batch"],  # vision augments per item: its gather cannot equal the per-item batches
+     "loader.fetch=batch: SyntheticJPEGDataset cannot gather a batch equal to its per-item collate"),
     (["loader.batch_size=1000", "loader.drop_last=true"],  # the split, once the data is known
      "loader.batch_size=1000 with loader.drop_last=true: the training split has"),
     (["dataset=image_folder", "dataset.root={tmp}/nope", "model=cnn"], "does not exist"),

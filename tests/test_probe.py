@@ -21,7 +21,9 @@ AUTO_RAW = {"num_workers": "${auto_workers:}", "prefetch_factor": "${auto_prefet
 
 
 def auto_loader(workers=2):
-    return LoaderConfig(num_workers=workers, prefetch_factor=2, persistent_workers=True, batch_size=64)
+    """fetch=item: these tests are about workers; loader.fetch=auto has its own (tests/test_fetch.py)."""
+    return LoaderConfig(num_workers=workers, prefetch_factor=2, persistent_workers=True, batch_size=64,
+                        fetch="item")
 
 
 def in_memory():

@@ -44,6 +44,8 @@ def _check_loader(c: LoaderConfig) -> list[str]:
         p.append(f"loader.prefetch_factor={c.prefetch_factor}: must be >= 1 or null")
     if c.timeout < 0:
         p.append(f"loader.timeout={c.timeout}: must be >= 0 (0 waits forever)")
+    if c.fetch not in ("auto", "item", "batch"):
+        p.append(f"loader.fetch={c.fetch}: allowed: auto, item, batch")
     if c.multiprocessing_context is not None and c.multiprocessing_context not in _CONTEXTS:
         p.append(f"loader.multiprocessing_context={c.multiprocessing_context}: allowed: {', '.join(_CONTEXTS)} or null")
     return p

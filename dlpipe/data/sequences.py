@@ -61,7 +61,13 @@ class TokenSequenceDataset(Dataset):
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
+    def __getitem__(self, index: int | list[int]) -> tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]:
+        if isinstance(index, list):  # a whole batch in one gather (loader.fetch)
+            if self.lengths is not None:
+                raise TypeError("variable-length sequences are padded per batch: fetch them item by item")
+            rows = self.tokens[index]
+            x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+            return {"input_ids": x, "labels": y} if self.as_dict else (x, y)
         row = self.tokens[index]
         if self.lengths is not None:
             row = row[: int(self.lengths[index]) + 1]

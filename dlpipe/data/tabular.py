@@ -56,7 +56,9 @@ class TabularDataset(Dataset):
     def __len__(self) -> int:
         return self.features.shape[0]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int | list[int]) -> tuple[torch.Tensor, int | torch.Tensor]:
+        if isinstance(index, list):  # a whole batch in one gather (loader.fetch): a copy already
+            return self.features[index], self.labels[index]
         # clone(): a view would carry the whole feature storage when a worker sends an unbatched item.
         return self.features[index].clone(), int(self.labels[index])
 
@@ -89,5 +91,9 @@ class TabularRegression(Dataset):
     def __len__(self) -> int:
         return self.features.shape[0]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        # a list gathers a whole batch (loader.fetch), already a copy; one item is cloned so a worker
+        # does not send the whole storage with its view
+        if isinstance(index, list):
+            return self.features[index], self.targets[index]
         return self.features[index].clone(), self.targets[index].clone()

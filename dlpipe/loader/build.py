@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
 from dlpipe.loader import policy
+from dlpipe.loader.fetch import BatchGather, EpochBatches, gather_for
 from dlpipe.loader.worker_signals import SignalSafeLoader, worker_init_fn
 from dlpipe.schema import LoaderConfig
 
@@ -32,6 +33,8 @@ class LoaderPlan:
     """The normalised settings (NORMALISED keys) the DataLoader got."""
     requested: dict = dataclasses.field(default_factory=dict)
     """key -> the value asked for, for each of `settings` that normalise() changed."""
+    fetch: str = "item"
+    """How the DataLoader fetches: "item", or "batch" (one gather per batch: loader.fetch)."""
 
 
 class EpochOrder(Sampler[int]):
@@ -175,11 +178,13 @@ def build_loader(
     role: str = "train",
     rank: int = 0,
     world: int = 1,
+    fetch: str = "item",
 ) -> LoaderPlan:
     """A DataLoader for `dataset`; `cuda` says whether batches will go to a CUDA device. With
     `world` > 1 it loads this rank's share (see EpochOrder); `batch_size` is per rank. `collate_fn`
     turns a list of items into a batch (None: PyTorch's default_collate); a config's
-    loader.collate_fn node is built by dlpipe.tasks.build.loader_settings."""
+    loader.collate_fn node is built by dlpipe.tasks.build.loader_settings. `fetch` (loader.fetch):
+    item, batch (one gather per batch; a ConfigError if the dataset cannot) or auto."""
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__} (a loader.collate_fn "
                         "node is built by dlpipe.tasks.build.loader_settings)")
@@ -196,17 +201,16 @@ def build_loader(
     sampler = None
     if (shuffle and training) or world > 1:
         sampler = EpochOrder(len(dataset), seed, shuffle=shuffle and training, rank=rank, world=world, pad=training)
-    loader = SignalSafeLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=drop_last,
-        collate_fn=collate_fn,
-        num_workers=num_workers,
-        **settings,
-        worker_init_fn=worker_init_fn() if num_workers > 0 else None,
-        generator=generator,
-    )
+    workers = {"num_workers": num_workers, **settings, "worker_init_fn": worker_init_fn() if num_workers > 0 else None,
+               "generator": generator}
+    how = gather_for(dataset, fetch, collate_fn)
+    if how is None:
+        loader = SignalSafeLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                                  collate_fn=collate_fn, **workers)
+    else:  # each "item" is a batch of indices from the same order: PyTorch's own way to fetch whole batches
+        batches = EpochBatches(sampler if sampler is not None else SequentialSampler(dataset), batch_size, drop_last)
+        loader = SignalSafeLoader(BatchGather(dataset, how, collate_fn), batch_size=None, sampler=batches, **workers)
     batch = batch_bytes(dataset, batch_size, collate_fn)
     inflight = policy.inflight_bytes(num_workers, settings["prefetch_factor"], batch)
-    return LoaderPlan(loader, [f"{role}: {n}" for n in notes], batch, inflight, settings, requested)
+    return LoaderPlan(loader, [f"{role}: {n}" for n in notes], batch, inflight, settings, requested,
+                      "item" if how is None else "batch")

@@ -53,6 +53,10 @@ class NamedErrors(Dataset):
         except DataError:
             raise  # already names what failed
         except Exception as e:
+            if isinstance(index, list):  # a batch gathered at once (loader.fetch=batch): name the item
+                for i in index:
+                    self[i]
+                raise SampleError(f"dataset items {index[:3]}...: {type(e).__name__}: {e}") from e
             raise SampleError(f"dataset item {self._describe(index)}: {type(e).__name__}: {e}") from e
 
     def _describe(self, index) -> str:

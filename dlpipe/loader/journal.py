@@ -30,7 +30,7 @@ from dlpipe.loader import policy
 
 log = logging.getLogger("dlpipe")
 
-SETTINGS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
+SETTINGS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "fetch")
 """The loader settings a measurement is filed under."""
 
 MIN_GAIN = 0.03
@@ -64,7 +64,7 @@ def effective(settings: dict) -> dict:
     return {"num_workers": workers,
             "prefetch_factor": policy.prefetch_in_effect(workers, settings.get("prefetch_factor")) or None,
             "persistent_workers": bool(settings.get("persistent_workers")) and workers > 0,
-            "pin_memory": bool(settings.get("pin_memory"))}
+            "pin_memory": bool(settings.get("pin_memory")), "fetch": settings.get("fetch") or "item"}
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Observation:
 
     def label(self) -> str:
         s = self.settings
-        pin = " pin_memory=true" if s["pin_memory"] else ""
+        pin = (" pin_memory=true" if s["pin_memory"] else "") + (" fetch=batch" if s.get("fetch") == "batch" else "")
         if s["num_workers"] == 0:
             return "num_workers=0" + pin
         return (f"num_workers={s['num_workers']} prefetch_factor={s['prefetch_factor']} "

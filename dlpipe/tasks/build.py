@@ -105,7 +105,8 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
                        world: int = 1) -> tuple[LoaderConfig, dict[str, str]]:
     """The automatic loader values, decided again on the built training split: the workers go when
     items are cheap to fetch in this process (data in memory), and persistence is decided on the
-    real batches per epoch. Values the user set stand (the lint and `dlpipe tune` can question
+    real batches per epoch, and loader.fetch=auto becomes batch where the dataset gathers a batch equal
+    to its per-item collate (loader.fetch). Values the user set stand (the lint and `dlpipe tune` can question
     them). Returns the loader settings and the reason for each value decided here."""
     from dlpipe.config.decisions import prefetch, workers_for_data
     from dlpipe.loader.probe import item_fetch_seconds
@@ -127,6 +128,12 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
         keep, why = policy.persist_workers(loader.num_workers, epochs, batches)
         loader = replace(loader, persistent_workers=keep)
         reasons["loader.persistent_workers"] = f"{keep} (auto: {why})"
+    if loader.fetch == "auto" and len(train_set):
+        from dlpipe.loader.fetch import find_gather
+
+        how, why = find_gather(train_set, build_collate(loader))
+        loader = replace(loader, fetch="batch" if how else "item")
+        reasons["loader.fetch"] = f"{loader.fetch} (auto: {why if how else 'item by item: ' + why})"
     return loader, reasons
 
 
@@ -164,9 +171,10 @@ def build_loaders(cfg: DlpipeConfig, train_set, val_set, rank: int = 0, world: i
     seed = cfg.trainer.seed
     train = build_loader(train_set, **lc, seed=seed, cuda=cuda, role="train", rank=rank, world=world)
     if len(train.loader) == 0:
+        order = getattr(train.loader.sampler, "sampler", train.loader.sampler)  # under the batches, when fetched so
         raise ConfigError([
             f"loader.batch_size={lc['batch_size']} with loader.drop_last={str(lc['drop_last']).lower()}: the training "
-            f"split has {len(train.loader.sampler)} samples{' per rank' if world > 1 else ''}, so there is no batch "
+            f"split has {len(order)} samples{' per rank' if world > 1 else ''}, so there is no batch "
             "to train on; lower batch_size or set drop_last=false"
         ])
     val = None

@@ -20,6 +20,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     import torch
 
     from dlpipe.loader.faults import NamedErrors
+    from dlpipe.loader.fetch import item_collate
     from dlpipe.tasks.build import build_data_and_model, build_loaders, build_objective_and_metrics, validation_view
     from dlpipe.training.evaluate import evaluate
     from dlpipe.training.net import autocast_for
@@ -39,7 +40,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     # Scored with validation's loader (in order, every sample, no augmentation): the numbers match
     # the training run's; the training loader built beside it is never iterated.
     _, plan = build_loaders(cfg, train_set, split)
-    objective, metrics = build_objective_and_metrics(cfg, model, split, plan.loader.collate_fn)
+    objective, metrics = build_objective_and_metrics(cfg, model, split, item_collate(plan.loader))
     weights = init_weights(model, cfg.checkpoint.init_from)
     device = torch.device(cfg.trainer.device)
     model.to(device).eval()

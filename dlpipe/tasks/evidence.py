@@ -37,12 +37,14 @@ def item_cost_here(train_set, loader) -> float | None:
     stream as it was: fetching may augment, and the run must draw what it would have drawn without it.
     None when an item fails here: the advice then goes without the figure, and the training loop, not
     a probe for advice, is where a bad item is reported."""
+    from dlpipe.loader.fetch import item_collate
     from dlpipe.loader.probe import item_fetch_seconds
     from dlpipe.training import rng
 
     state = rng.capture()
     try:
-        return item_fetch_seconds(train_set, loader.batch_size, collate_fn=loader.collate_fn)
+        batch = loader.batch_size or loader.sampler.batch_size  # fetching whole batches: the sampler batches
+        return item_fetch_seconds(train_set, batch, collate_fn=item_collate(loader))
     except Exception as e:  # noqa: BLE001 - a user's __getitem__ may raise anything
         log.info("no probe of the items for the advice: %s: %s", type(e).__name__, e)
         return None
@@ -52,5 +54,9 @@ def item_cost_here(train_set, loader) -> float | None:
 
 def settings_of(loader) -> dict:
     """The settings a built DataLoader really runs with (after dlpipe's normalisation)."""
+    from dlpipe.loader.fetch import BatchGather
+
     return {"num_workers": loader.num_workers, "prefetch_factor": loader.prefetch_factor,
-            "persistent_workers": loader.persistent_workers, "pin_memory": bool(loader.pin_memory)}
+            "persistent_workers": loader.persistent_workers, "pin_memory": bool(loader.pin_memory),
+            "fetch": "batch" if isinstance(loader.dataset, BatchGather) else "item"}
+

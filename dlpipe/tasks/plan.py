@@ -80,9 +80,11 @@ def dataloader_line(loader: LoaderConfig, plan) -> str:
     from dlpipe.loader.build import EpochOrder
 
     built = plan.loader
-    shuffled = isinstance(built.sampler, EpochOrder) and built.sampler.shuffle  # validation never shuffles
-    settings = {"batch_size": built.batch_size, "num_workers": built.num_workers, **plan.settings,
-                "shuffle": shuffled, "drop_last": built.drop_last,
+    batches = built.sampler if plan.fetch == "batch" else built.batch_sampler  # whole-batch fetching batches first
+    order = batches.sampler
+    shuffled = isinstance(order, EpochOrder) and order.shuffle  # validation never shuffles
+    settings = {"batch_size": batches.batch_size, "num_workers": built.num_workers, **plan.settings,
+                "shuffle": shuffled, "drop_last": batches.drop_last, "fetch": plan.fetch,
                 "collate_fn": (loader.collate_fn or {}).get("_target_", "default_collate")}
     return " ".join(f"{key}={value}" + (f" (asked {plan.requested[key]})" if key in plan.requested else "")
                     for key, value in settings.items())

@@ -226,6 +226,7 @@ class TrainJob:
 
 def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks) -> TrainJob:
     """Data, model, loaders, trainer, telemetry and checkpoint store, and the run's params and tags."""
+    from dlpipe.loader.fetch import item_collate
     from dlpipe.tasks.build import (
         build_callbacks,
         build_data_and_model,
@@ -253,7 +254,8 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     # Ranks' samples/s add up: a journal of single-process runs would compare it against the wrong thing.
     journal = measurement_file(cfg, budget.budget, "epoch", enabled=not ranks.distributed)
     evidence = gather(cfg, budget.budget, train_set, train_plan.loader, enabled=not ranks.distributed)
-    objective, val_metrics = build_objective_and_metrics(cfg, model, train_set, train_plan.loader.collate_fn)
+    objective, val_metrics = build_objective_and_metrics(cfg, model, train_set,
+                                                            item_collate(train_plan.loader))
     validates = val_plan is not None and cfg.trainer.limit_val_batches != 0
     mode = monitor_mode(cfg, val_metrics, validates)
     if schedule is not None and schedule.monitor:  # only for the check: the scheduler has its own mode

@@ -163,8 +163,9 @@ def _input_bound(job: Judged) -> Verdict:
 FREE_DATA = "if the wait for data went away (this epoch's data wait)"
 
 CHEAP_ITEMS_ADVICE = ("fetch fewer, larger pieces: raise loader.batch_size (each batch's fixed costs spread over "
-                      "more items; scale optim.lr with it), give the dataset a __getitems__(indices) that gathers a "
-                      "whole batch at once, or move per-item work out of __getitem__ (into the model, on the device)")
+                      "more items; scale optim.lr with it), let the dataset take a list of indices (or a __getitems__ "
+                      "returning the batch) so loader.fetch gathers whole batches, or move per-item work out of "
+                      "__getitem__ (into the model, on the device)")
 
 
 def _cheap_items(job: Judged, seen: str, per_item: PerItem | None, cost: float) -> Verdict:
