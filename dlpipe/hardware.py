@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 import psutil
 
+from dlpipe.budget_share import Sharing, current_sharing
 from dlpipe.gpu import gpu_summary
 
 log = logging.getLogger(__name__)
@@ -41,9 +42,13 @@ class CpuBudget:
     rank_per_slurm_task: bool
     """Each rank is a Slurm task of its own (srun with one task per GPU, as submitit launches them):
     SLURM_CPUS_PER_TASK is then already per rank and only the node-wide limits are divided."""
+    sharing_jobs: int
+    """dlpipe jobs on these CPUs the budget is divided between, this one included (`dlpipe.budget_share`:
+    the live jobs it found, or the sweep launcher's jobs at once); 1 when it was not divided."""
     budget: int
-    """Per-rank CPUs: max(1, min(affinity, ceil(cgroup_cpus), slurm_cpus) // local_world_size); with
-    a Slurm task per rank, max(1, min(affinity, slurm_cpus, ceil(cgroup_cpus) // local_world_size))."""
+    """Per-rank CPUs: max(1, min(affinity, ceil(cgroup_cpus), slurm_cpus) // local_world_size // sharing_jobs);
+    with a Slurm task per rank, max(1, min(affinity, slurm_cpus, ceil(cgroup_cpus) // local_world_size)
+    // sharing_jobs)."""
 
     def as_params(self) -> dict[str, str]:
         """Flat str->str mapping for MLflow params; absent limits read "none", never 0."""
@@ -162,14 +167,18 @@ def cpu_budget(
     cgroup_root: str = "/sys/fs/cgroup",
     environ: Mapping[str, str] | None = None,
     affinity: int | None = None,
+    sharing: Sharing | None = None,
 ) -> CpuBudget:
-    """Per-rank CPUs: min(affinity, ceil(cgroup quota), SLURM_CPUS_PER_TASK) // LOCAL_WORLD_SIZE.
+    """Per-rank CPUs: min(affinity, ceil(cgroup quota), SLURM_CPUS_PER_TASK) // LOCAL_WORLD_SIZE,
+    divided between the dlpipe jobs sharing these CPUs.
 
     `os.cpu_count()` and psutil ignore affinity and cgroup quotas and torch reads affinity only, so
     a 2-CPU container on a 64-core host would otherwise get 64-core settings. The cgroup limit
     follows /proc/self/cgroup and is the minimum over every ancestor (v2 `cpu.max`, v1 CFS quota);
-    missing or malformed files count as "no limit"; fractional quotas round up. Roots, environment
-    and affinity are injectable for tests.
+    missing or malformed files count as "no limit"; fractional quotas round up. `sharing` None means
+    the share this process's job settled on when it sized its workers (`budget_share.current_sharing`;
+    alone when it did not); `Sharing()` gives the undivided budget. Roots, environment, affinity and
+    sharing are injectable for tests.
     """
     env = os.environ if environ is None else environ
     if affinity is None:
@@ -195,6 +204,8 @@ def cpu_budget(
         budget = min(n for n in limits if n is not None)
     else:
         budget = min(n for n in (affinity, slurm_cpus, cgroup_ceil) if n is not None) // local_world_size
+    if sharing is None:
+        sharing = current_sharing()
     return CpuBudget(
         affinity=affinity,
         cgroup_cpus=cgroup_cpus,
@@ -202,8 +213,9 @@ def cpu_budget(
         slurm_cpus=slurm_cpus,
         local_world_size=local_world_size,
         rank_per_slurm_task=per_task,
+        sharing_jobs=sharing.jobs,
         # Never 0: even an oversubscribed rank has the main process to run on.
-        budget=max(1, budget),
+        budget=max(1, budget // sharing.jobs),
     )
 
 

@@ -49,6 +49,11 @@ class LoaderConfig:
     of indices in, the collated batch out: TensorDataset, dlpipe's tabular and token datasets, a
     __getitems__ returning a batch); auto: batch where the dataset's gather equals the per-item
     collate exactly (checked on a few indices), else item (dlpipe/loader/fetch.py)."""
+    worker_method: str = "auto"
+    """Who fetches when num_workers > 0: process (PyTorch's worker processes), thread (threads of the
+    main process: no start-up, no pickling, no /dev/shm, one GIL; dlpipe/loader/threads.py) or auto:
+    threads where a probe shows they scale (the dataset releases the GIL) and the dataset draws no
+    randomness from the global RNGs, or where /dev/shm cannot hold the batches; else processes."""
     val_batch_size: int | None = None
     """Validation batch size; None uses batch_size (no gradients, so larger is usually fine)."""
     tuned_on: str | None = None

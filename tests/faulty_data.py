@@ -7,6 +7,8 @@ import time
 import torch
 from torch.utils.data import Dataset
 
+from dlpipe.sample_rng import sample_generator
+
 
 class ExplodingDataset(Dataset):
     """Raises RuntimeError at item `bad_index`: a run must end FAILED, not RUNNING."""
@@ -136,7 +138,9 @@ class SignalsItself(Dataset):
 
     num_classes = 3
 
-    def __init__(self, marker: str, at: int, size: int = 120, num_features: int = 4, group: bool = False):
+    def __init__(self, marker: str, at: int, size: int = 120, num_features: int = 4, group: bool = False,
+                 noise: float = 0.0):
+        self.noise = noise  # augmentation: noise from each sample's own generator (dlpipe.sample_rng)
         g = torch.Generator().manual_seed(0)
         self.y = torch.arange(size) % self.num_classes
         self.x = torch.randn(self.num_classes, num_features, generator=g)[self.y]
@@ -155,4 +159,6 @@ class SignalsItself(Dataset):
                 os.killpg(os.getpgid(0), signal.SIGTERM)
             else:
                 os.kill(os.getpid(), signal.SIGTERM)
+        if self.noise:
+            return self.x[i] + self.noise * torch.randn(self.x.shape[1], generator=sample_generator()), int(self.y[i])
         return self.x[i].clone(), int(self.y[i])

@@ -223,8 +223,12 @@ def test_missing_image_folder_is_a_clear_error(dlpipe, tmp_path):
     assert r.returncode == 2 and "dataset.root" in r.stderr
 
 
-def test_corrupt_image_in_a_worker_fails_the_run_with_one_line(dlpipe, tmp_path, mlflow_store, mlflow_client):
-    """A bad file met by a DataLoader worker: one line naming the file, no worker traceback, run FAILED."""
+@pytest.mark.parametrize("method, where", [("process", "DataLoader worker process"),
+                                           ("thread", "a DataLoader worker thread")])
+def test_corrupt_image_in_a_worker_fails_the_run_with_one_line(dlpipe, tmp_path, mlflow_store, mlflow_client,
+                                                               method, where):
+    """A bad file met by a worker process or thread: one line naming the file and the worker, no worker
+    traceback, run FAILED."""
     from PIL import Image
 
     for cls in ("a", "b"):
@@ -235,14 +239,14 @@ def test_corrupt_image_in_a_worker_fails_the_run_with_one_line(dlpipe, tmp_path,
     bad = tmp_path / "images" / "b" / "3.png"
     bad.write_bytes(b"not a png at all")
     r = dlpipe("dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.image_size=32",
-               "dataset.crop_size=28", "loader.num_workers=2", "loader.batch_size=4", "trainer.epochs=1",
-               "trainer.progress=false", "trainer.val_fraction=0", f"tracking.uri={mlflow_store}",
-               "tracking.experiment=corrupt")
+               "dataset.crop_size=28", "loader.num_workers=2", f"loader.worker_method={method}", "loader.batch_size=4",
+               "trainer.epochs=1", "trainer.progress=false", "trainer.val_fraction=0", f"tracking.uri={mlflow_store}",
+               f"tracking.experiment=corrupt-{method}")
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error: ")]
-    assert len(errors) == 1 and str(bad) in errors[0] and "DataLoader worker process" in errors[0], r.stderr
+    assert len(errors) == 1 and str(bad) in errors[0] and where in errors[0], r.stderr
     assert "Traceback" not in r.stderr
-    [run] = runs_of(mlflow_client, "corrupt")
+    [run] = runs_of(mlflow_client, f"corrupt-{method}")
     assert run.info.status == "FAILED" and str(bad) in run.data.tags["dlpipe.end_reason"]
 
 

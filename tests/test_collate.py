@@ -20,6 +20,7 @@ from dlpipe.data.sequences import TokenSequenceDataset
 from dlpipe.errors import ConfigError
 from dlpipe.loader.build import ESTIMATE_ITEMS, build_loader, sample_bytes
 from dlpipe.loader.collate import PadSequences
+from dlpipe.loader.fetch import item_collate
 from dlpipe.loader.probe import item_fetch_seconds
 from dlpipe.models.transformer import TinyTransformer
 from dlpipe.schema import LoaderConfig
@@ -209,7 +210,7 @@ def test_build_loaders_uses_the_configured_collate_for_train_and_validation(regi
     train, val, _, _ = build_data_and_model(cfg)
     train_plan, val_plan = build_loaders(cfg, train, val)
     for plan in (train_plan, val_plan):
-        assert plan.loader.collate_fn == PadSequences(pad_value=3)
+        assert item_collate(plan.loader) == PadSequences(pad_value=3)
         inputs, targets, lengths = next(iter(plan.loader))
         assert inputs.shape[0] == 8 and lengths.shape == (8,)
         short = int(lengths.argmin())

@@ -256,6 +256,7 @@ def test_as_params_is_flat_strings(tmp_path):
         "cpu.slurm_cpus": "none",
         "cpu.local_world_size": "1",
         "cpu.rank_per_slurm_task": "False",
+        "cpu.sharing_jobs": "1",
         "cpu.budget": "4",
     }
 

@@ -20,7 +20,7 @@ def test_lines_are_filed_under_their_effective_settings_and_read_back(tmp_path):
     read = journal.read()
     assert [o.settings for o in read.observations] == [effective(ZERO), effective(TWO), effective(TWO)]
     assert effective(ZERO) == {"num_workers": 0, "prefetch_factor": None, "persistent_workers": False,
-                               "pin_memory": False, "fetch": "item"}
+                               "pin_memory": False, "fetch": "item", "worker_method": "process"}
     assert effective(TWO)["prefetch_factor"] == 2
     assert read.median(TWO) == 500.0 and read.median(ZERO) == 1000.0
     assert read.best(num_workers=2).samples_per_s == 600.0 and read.best(num_workers=4) is None

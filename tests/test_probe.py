@@ -21,9 +21,10 @@ AUTO_RAW = {"num_workers": "${auto_workers:}", "prefetch_factor": "${auto_prefet
 
 
 def auto_loader(workers=2):
-    """fetch=item: these tests are about workers; loader.fetch=auto has its own (tests/test_fetch.py)."""
+    """fetch=item, worker_method=process: these tests are about the worker count; loader.fetch=auto and
+    loader.worker_method=auto have their own (tests/test_fetch.py, tests/test_threads.py)."""
     return LoaderConfig(num_workers=workers, prefetch_factor=2, persistent_workers=True, batch_size=64,
-                        fetch="item")
+                        fetch="item", worker_method="process")
 
 
 def in_memory():

@@ -69,7 +69,8 @@ def logged(client, run) -> dict[str, list[tuple[int, float]]]:
 # a persistent worker at its 80th fetch (it fetches 60 or 48 an epoch), the job's whole process group.
 @pytest.mark.parametrize("how", [["dataset.at=150"],
                                  ["dataset.at=80", "+dataset.group=true", "loader.num_workers=2",
-                                  "loader.persistent_workers=true"]], ids=["main", "group-persistent-workers"])
+                                  "loader.persistent_workers=true", "loader.worker_method=process"]],
+                         ids=["main", "group-persistent-workers"])
 def test_sigterm_mid_epoch_then_resume_logs_every_number_of_a_straight_run(dlpipe, tmp_path, mlflow_store,
                                                                             mlflow_client, how):
     """A real SIGTERM in epoch 2, then the same command: every logged metric that is not a timing or a
@@ -105,6 +106,41 @@ def test_sigterm_mid_epoch_then_resume_logs_every_number_of_a_straight_run(dlpip
     assert {"train_loss", "train_loss_step", "val_loss", "val_accuracy", "lr", "grad_norm", "epoch_lr"} <= set(a)
     assert a == b
     assert [step for step, _ in a["train_loss_step"]] == [3, 6, 9, 12]
+
+
+def test_a_run_stopped_with_worker_processes_resumes_with_threads_exactly(dlpipe, tmp_path, mlflow_store,
+                                                                         mlflow_client):
+    """Elastic exact resume: augmentation drawn from each sample's generator (dlpipe.sample_rng). The
+    straight run fetches in the main process; the split one is stopped (the group's SIGTERM) while 2
+    persistent worker processes fetch, and resumed with 1 thread worker: every logged number equals
+    the straight run's, the interrupted epoch's loss and the cut train_loss_step window included."""
+    from conftest import TESTS_DIR
+
+    args = [a.replace("{tests}", str(TESTS_DIR)) for a in SIGNALLED] + ["+dataset.noise=0.3"]
+    track = [f"tracking.uri={mlflow_store}"]
+    r = dlpipe(*args, "dataset.at=-1", "loader.num_workers=0", f"hydra.run.dir={tmp_path / 'straight'}", *track,
+               "tracking.experiment=elastic-a")
+    assert r.returncode == 0, r.stderr
+    r = dlpipe(*args, "dataset.at=80", "+dataset.group=true", "loader.num_workers=2", "loader.persistent_workers=true",
+               "loader.worker_method=process", f"dataset.marker={tmp_path / 'signalled'}",
+               f"hydra.run.dir={tmp_path / 'split'}", *track, "tracking.experiment=elastic-b", new_session=True)
+    assert r.returncode == 143, r.stderr
+    stopped = torch.load(tmp_path / "split" / "checkpoints" / "epoch-0002.pt", weights_only=True)
+    assert stopped["epoch"] == 1 and 0 < stopped["batches_done"] < 7
+    [hint] = [line.split("resume with: dlpipe ")[1] for line in (r.stdout + r.stderr).splitlines()
+              if "resume with: dlpipe " in line]
+    r = dlpipe(*shlex.split(hint), "loader.num_workers=1", "loader.worker_method=thread",
+               "loader.persistent_workers=false")
+    assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stdout + r.stderr
+
+    [straight], [resumed] = runs_of(mlflow_client, "elastic-a"), runs_of(mlflow_client, "elastic-b")
+    # MLflow params cannot change: the first attempt's stand, and the tag names what the resume changed
+    changed = resumed.data.tags["dlpipe.resumed_changed_params"].split(", ")
+    assert {"loader.worker_method", "loader.num_workers"} <= set(changed)
+    a, b = logged(mlflow_client, straight), logged(mlflow_client, resumed)
+    assert {"train_loss", "train_loss_step", "val_loss"} <= set(a)
+    assert a == b
 
 
 def test_retention_and_best_checkpoint(dlpipe, tmp_path):

@@ -336,16 +336,16 @@ def test_leaking_persistent_workers_are_reported():
     assert warning and "persistent_workers" in warning and "copy-on-write" in warning
 
 
-SLOW_JOB = ["dataset=custom", "dataset._target_=faulty_data.SlowDataset", "+dataset.size=96", "+dataset.delay_s=0.003",
+SLOW_JOB = ["dataset=custom", "dataset._target_=faulty_data.SlowDataset", "+dataset.size=96", "+dataset.delay_s=0.008",
             "model=mlp", "model.in_features=4", "model.num_classes=2", "loader.batch_size=8", "trainer.epochs=2",
             "trainer.progress=false", "tracking=none", "checkpoint.enabled=false"]
 
 
 def test_bench_measurements_steer_the_training_verdict_end_to_end(tmp_path, dlpipe):
     """`dlpipe bench` at 0 and 2 workers files both measurements; a training run at 0 workers on these
-    3 ms items is input-bound and advises 2 workers only if the bench measured them faster, with the
-    bench's ratio as the expected gain, else names the bench and withholds it. Then the run files its
-    own measurement for the next one."""
+    8 ms items (slow enough to stay input-bound when a loaded machine slows the step) is input-bound and
+    advises 2 workers only if the bench measured them faster, with the bench's ratio as the expected
+    gain, else names the bench and withholds it. Then the run files its own measurement for the next one."""
     journal = Path(os.environ["XDG_CACHE_HOME"]) / "dlpipe" / "measurements.jsonl"
     plan = dlpipe("plan", *SLOW_JOB, "loader.num_workers=0")
     assert plan.returncode == 0 and f"measured: nothing yet for this job in {journal}" in plan.stdout

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from dlpipe import hardware
+from dlpipe.config import sharing
 from dlpipe.config.sources import Origin
 from dlpipe.loader import policy
 
@@ -36,8 +37,11 @@ def _torch_cuda() -> tuple[bool, bool, str]:
     return True, bool(bf16), f"{torch.cuda.device_count()} CUDA device(s)"
 
 
-def workers() -> Decision:
-    b = hardware.cpu_budget()
+def workers(task: str | None = None) -> Decision:
+    """Workers for this rank's CPU budget, divided between the dlpipe jobs sharing these CPUs
+    (config.sharing: a job run of `task` registers there, once; None: the job's own, as settled)."""
+    share = sharing.job_sharing(task)
+    b = hardware.cpu_budget(sharing=share)
     value = hardware.recommended_workers(b.budget)
     cgroup = "none" if b.cgroup_cpus is None else f"{b.cgroup_cpus:g}"
     if b.rank_per_slurm_task:
@@ -46,7 +50,7 @@ def workers() -> Decision:
     else:
         why = (f"CPU budget {b.budget} per rank -> {value} workers; budget = min(affinity {b.affinity}, "
                f"cgroup {cgroup}, Slurm {b.slurm_cpus or 'none'}) // {b.local_world_size} rank(s) per node")
-    return Decision(value, why, b.as_params())
+    return Decision(value, why + share.describe(), b.as_params())
 
 
 def workers_for_data(cpu_workers: int, item_fetch_s: float | None) -> Decision:

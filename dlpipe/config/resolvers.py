@@ -10,7 +10,8 @@ from dlpipe.config import decisions
 from dlpipe.config.paths import user_cache_dir
 
 RESOLVERS = {
-    "auto_workers": lambda: decisions.workers().value,
+    # _root_: the job's config, whose `task` says whether this job registers as one sharing the CPUs
+    "auto_workers": lambda *, _root_: decisions.workers(_root_.get("task")).value,
     "cuda_available": lambda: decisions.cuda_available().value,
     "auto_device": lambda: decisions.device().value,
     "auto_amp": lambda device: decisions.amp(device).value,

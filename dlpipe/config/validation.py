@@ -46,6 +46,8 @@ def _check_loader(c: LoaderConfig) -> list[str]:
         p.append(f"loader.timeout={c.timeout}: must be >= 0 (0 waits forever)")
     if c.fetch not in ("auto", "item", "batch"):
         p.append(f"loader.fetch={c.fetch}: allowed: auto, item, batch")
+    if c.worker_method not in ("auto", "process", "thread"):
+        p.append(f"loader.worker_method={c.worker_method}: allowed: auto, process, thread")
     if c.multiprocessing_context is not None and c.multiprocessing_context not in _CONTEXTS:
         p.append(f"loader.multiprocessing_context={c.multiprocessing_context}: allowed: {', '.join(_CONTEXTS)} or null")
     return p

@@ -3,10 +3,11 @@
 Both datasets share one decode/augment path (`_load_rgb` + `_to_tensor`), so a loader setting that
 helps one helps the other. No torchvision: Pillow does the pixel work, torch only the last step.
 
-Per-item randomness is drawn from torch's global RNG at call time, never from an RNG built in
-`__init__`: the DataLoader seeds torch differently in every worker (base_seed + worker_id), so
-workers augment differently, while a run seeded with `torch.manual_seed` stays reproducible.
-An RNG object stored on the dataset would be copied into every forked worker and repeat there.
+Per-item randomness comes from dlpipe.sample_rng.sample_generator(): in training, a generator that
+depends on (seed, epoch, sample index) only, so a sample is augmented the same way whichever worker
+process or thread fetches it, and a run resumed with other loader settings sees the same batches.
+Outside training's fetch it is torch's global RNG, drawn at call time: never an RNG built in
+`__init__`, which every forked worker would copy and repeat.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from dlpipe.errors import DataError, first_line
+from dlpipe.sample_rng import sample_generator
 
 # ImageNet statistics: the usual choice, and close enough for synthetic images that nothing depends on it.
 MEAN = (0.485, 0.456, 0.406)
@@ -75,9 +77,9 @@ def _to_tensor(img: Image.Image, crop_size: int, augment: bool, mean: Sequence[f
     float32 [C, c, c] (C = 3 for RGB, 1 for grayscale)."""
     w, h = img.size
     if augment:
-        # One 62-bit draw from torch's RNG seeds a local RNG: per-worker seeding applies, and the
-        # few numbers below cost one torch call instead of five.
-        rng = random.Random(int(torch.randint(0, 2**62, ()).item()))
+        # One 62-bit draw from the sample's generator seeds a local RNG: the few numbers below cost one
+        # torch call instead of five.
+        rng = random.Random(int(torch.randint(0, 2**62, (), generator=sample_generator()).item()))
         # resize(box=...) crops and scales in one pass over the pixels.
         img = img.resize((crop_size, crop_size), Image.Resampling.BILINEAR, box=_random_box(w, h, rng))
         if rng.random() < 0.5:

@@ -14,7 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
 from dlpipe.loader import policy
-from dlpipe.loader.fetch import BatchGather, EpochBatches, gather_for
+from dlpipe.loader.fetch import BatchGather, EpochBatches, fetch_mode, gather_for
+from dlpipe.loader.threads import ThreadLoader, worker_method_of
 from dlpipe.loader.worker_signals import SignalSafeLoader, worker_init_fn
 from dlpipe.schema import LoaderConfig
 
@@ -35,6 +36,8 @@ class LoaderPlan:
     """key -> the value asked for, for each of `settings` that normalise() changed."""
     fetch: str = "item"
     """How the DataLoader fetches: "item", or "batch" (one gather per batch: loader.fetch)."""
+    worker_method: str = "process"
+    """Who fetches when there are workers: "process" (PyTorch's) or "thread" (loader.worker_method)."""
 
 
 class EpochOrder(Sampler[int]):
@@ -55,6 +58,11 @@ class EpochOrder(Sampler[int]):
         self.size, self.seed, self.epoch = size, seed, 0
         self.shuffle, self.rank, self.world, self.pad = shuffle, rank, world, pad
 
+    @property
+    def stream(self) -> int:
+        """The epoch's random stream: its order's seed, and (dlpipe.sample_rng) its samples'."""
+        return self.seed * 1_000_003 + self.epoch
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
@@ -65,9 +73,7 @@ class EpochOrder(Sampler[int]):
 
     def __iter__(self):
         if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(self.size, generator=g).tolist()
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.stream)).tolist()
         else:
             order = list(range(self.size))
         if self.pad and self.world > 1 and order:
@@ -134,7 +140,8 @@ NORMALISED = ("pin_memory", "prefetch_factor", "persistent_workers", "timeout", 
 """The loader keys normalise() may change; every other key reaches the DataLoader as configured."""
 
 
-def normalise(num_workers: int, asked: dict, cuda: bool) -> tuple[dict, dict, list[str]]:
+def normalise(num_workers: int, asked: dict, cuda: bool,
+              worker_method: str = "process") -> tuple[dict, dict, list[str]]:
     """(the NORMALISED settings PyTorch accepts for `num_workers`, key -> the value asked for of each
     one changed, a note per change but pin_memory's: the lint says that once a run, with the fix).
     The one place train, bench, tune (each trial) and `dlpipe plan` get their effective loader values from."""
@@ -155,6 +162,14 @@ def normalise(num_workers: int, asked: dict, cuda: bool) -> tuple[dict, dict, li
             out["timeout"] = type(out["timeout"])(0)  # 0.0 for a float: recorded as the config records it
     elif out["prefetch_factor"] is None:  # PyTorch's own default then: record what the workers really keep ready
         out["prefetch_factor"] = policy.PREFETCH_DEFAULT
+    if num_workers and worker_method == "thread":
+        if out["persistent_workers"]:
+            notes.append("loader.persistent_workers=true ignored: thread workers start in microseconds, there is "
+                         "nothing to keep")
+            out["persistent_workers"] = False
+        if out["multiprocessing_context"] is not None:
+            notes.append(f"loader.multiprocessing_context={out['multiprocessing_context']} ignored: thread workers")
+            out["multiprocessing_context"] = None
     if out["pin_memory"] and not cuda:
         out["pin_memory"] = False  # PyTorch would warn on every epoch; dlpipe.lint says it once, with the fix
     return out, {key: value for key, value in asked.items() if out[key] != value}, notes
@@ -179,18 +194,22 @@ def build_loader(
     rank: int = 0,
     world: int = 1,
     fetch: str = "item",
+    worker_method: str = "process",
 ) -> LoaderPlan:
     """A DataLoader for `dataset`; `cuda` says whether batches will go to a CUDA device. With
     `world` > 1 it loads this rank's share (see EpochOrder); `batch_size` is per rank. `collate_fn`
     turns a list of items into a batch (None: PyTorch's default_collate); a config's
     loader.collate_fn node is built by dlpipe.tasks.build.loader_settings. `fetch` (loader.fetch):
-    item, batch (one gather per batch; a ConfigError if the dataset cannot) or auto."""
+    item, batch (one gather per batch; a ConfigError if the dataset cannot) or auto. `worker_method`
+    (loader.worker_method): process (PyTorch's worker processes) or thread (dlpipe.loader.threads);
+    auto is decided before (dlpipe.tasks.build.fit_loader_to_data) and builds processes here."""
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__} (a loader.collate_fn "
                         "node is built by dlpipe.tasks.build.loader_settings)")
     asked = dict(zip(NORMALISED, (pin_memory, prefetch_factor, persistent_workers, timeout, multiprocessing_context),
                      strict=True))
-    settings, requested, notes = normalise(num_workers, asked, cuda)
+    worker_method = "thread" if worker_method == "thread" and num_workers > 0 else "process"
+    settings, requested, notes = normalise(num_workers, asked, cuda, worker_method)
 
     # The generator fixes the per-worker base seed (EpochOrder fixes the order); each worker then seeds
     # torch, `random` and NumPy from base_seed + worker_id itself, so augmentations differ per
@@ -198,19 +217,24 @@ def build_loader(
     generator = torch.Generator()
     generator.manual_seed(seed + rank)  # ranks augment differently; the order (EpochOrder) is shared
     training = role == "train"
-    sampler = None
-    if (shuffle and training) or world > 1:
-        sampler = EpochOrder(len(dataset), seed, shuffle=shuffle and training, rank=rank, world=world, pad=training)
-    workers = {"num_workers": num_workers, **settings, "worker_init_fn": worker_init_fn() if num_workers > 0 else None,
-               "generator": generator}
-    how = gather_for(dataset, fetch, collate_fn)
-    if how is None:
-        loader = SignalSafeLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-                                  collate_fn=collate_fn, **workers)
-    else:  # each "item" is a batch of indices from the same order: PyTorch's own way to fetch whole batches
-        batches = EpochBatches(sampler if sampler is not None else SequentialSampler(dataset), batch_size, drop_last)
-        loader = SignalSafeLoader(BatchGather(dataset, how, collate_fn), batch_size=None, sampler=batches, **workers)
+    # Training always has an EpochOrder (seeded by epoch, shuffled or not): its batches carry the
+    # epoch's random stream for each sample's sample_generator(). Validation scores in dataset order,
+    # with one stream for every epoch: what changes between its scores is the model alone.
+    order = (EpochOrder(len(dataset), seed, shuffle=shuffle and training, rank=rank, world=world, pad=training)
+             if training or world > 1 else SequentialSampler(dataset))
+    batches = EpochBatches(order, batch_size, drop_last, stream=None if training else -1 - seed)
+    # One path for every loader: the sampler hands out whole batches of indices (batch_size=None, PyTorch's
+    # own way to fetch batches), and BatchGather turns each into the collated batch, by one gather
+    # (loader.fetch=batch) or item by item and the collate, as PyTorch's fetcher would.
+    gather = BatchGather(dataset, gather_for(dataset, fetch, collate_fn), collate_fn)
+    if worker_method == "thread":
+        loader = ThreadLoader(gather, batches, num_workers=num_workers, prefetch_factor=settings["prefetch_factor"],
+                              pin_memory=settings["pin_memory"], timeout=settings["timeout"], generator=generator)
+    else:
+        workers = {"num_workers": num_workers, **settings, "generator": generator,
+                   "worker_init_fn": worker_init_fn() if num_workers > 0 else None}
+        loader = SignalSafeLoader(gather, batch_size=None, sampler=batches, **workers)
     batch = batch_bytes(dataset, batch_size, collate_fn)
     inflight = policy.inflight_bytes(num_workers, settings["prefetch_factor"], batch)
     return LoaderPlan(loader, [f"{role}: {n}" for n in notes], batch, inflight, settings, requested,
-                      "item" if how is None else "batch")
+                      fetch_mode(loader), worker_method_of(loader))

@@ -6,6 +6,7 @@ worker without saying which sample); here they become one line with the likely c
 
 from torch.utils.data import Dataset
 
+from dlpipe import sample_rng
 from dlpipe.errors import DataError
 from dlpipe.loader import policy
 from dlpipe.schema import LoaderConfig
@@ -20,7 +21,12 @@ class NamedErrors(Dataset):
     with a `samples` list of (path, label) like the image folder, the file."""
 
     def __init__(self, dataset: Dataset):
+        from dlpipe.loader.fetch import unwrapped
+
         self.dataset = dataset
+        # The user's own __getitems__ gathers a batch in one call; Subset's only loops over items,
+        # and looping here instead gives each item its own sample_generator().
+        self._user_gathers = hasattr(unwrapped(dataset), "__getitems__")
 
     def __len__(self):
         return len(self.dataset)
@@ -34,18 +40,28 @@ class NamedErrors(Dataset):
         return getattr(self.dataset, name)
 
     def __getitems__(self, indices):
-        """Batched fetch (Subset, in-memory datasets), keeping the fast path when nothing fails."""
-        fetch = getattr(self.dataset, "__getitems__", None)
-        if fetch is None:
-            return [self[i] for i in indices]
+        """A batch's items. Item by item, each named to dlpipe.sample_rng for its sample_generator()
+        (a training batch, SampleBatch, knows its epoch's stream); the user's own __getitems__ gets the
+        whole batch in one call (plain indices: it draws its own randomness), a failure then named by
+        fetching its items one by one."""
+        if not self._user_gathers:
+            stream = getattr(indices, "stream", None)
+            try:
+                return [self._named(i, stream) for i in indices]
+            finally:
+                sample_rng.fetching(None)
         try:
-            return fetch(indices)
+            return self.dataset.__getitems__(list(indices))
         except DataError:
             raise
         except Exception as e:
             for i in indices:  # only on this error path: find the sample, which raises naming it
                 self[i]
             raise SampleError(f"dataset items {list(indices)[:3]}...: {type(e).__name__}: {e}") from e
+
+    def _named(self, index: int, stream: int | None):
+        sample_rng.fetching(stream, index)
+        return self[index]
 
     def __getitem__(self, index):
         try:

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import BatchSampler, Dataset, default_collate
 
 from dlpipe.errors import ConfigError
+from dlpipe.sample_rng import SampleBatch
 
 PROBE_INDICES = 8
 """Indices the gather is compared on, spread over the dataset (first, last and between)."""
@@ -33,31 +34,56 @@ contract for __getitems__ is a list of items (Subset and dlpipe's wrappers alway
 
 
 class BatchGather(Dataset):
-    """`dataset` seen one batch at a time: item `indices` (a list) is the collated batch.
-    `item_collate` is the collate the batches equal (None: default_collate), for whoever fetches items."""
+    """`dataset` seen one batch at a time: item `indices` (a list) is the collated batch, from one
+    gather (`how`, a key of GATHERS) or, with `how` None, from the items and `item_collate` (thread
+    workers fetch either way). `item_collate` is the collate the batches equal (None: default_collate)."""
 
-    def __init__(self, dataset: Dataset, how: str, item_collate: Callable | None = None):
+    def __init__(self, dataset: Dataset, how: str | None, item_collate: Callable | None = None):
         self.dataset, self.how, self.item_collate = dataset, how, item_collate
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, indices: Sequence[int]):
+        if self.how is None:  # as PyTorch's own fetcher: the dataset's __getitems__ where it has one
+            getitems = getattr(self.dataset, "__getitems__", None)
+            items = getitems(indices) if getitems else [self.dataset[i] for i in indices]
+            return (self.item_collate or default_collate)(items)
         return GATHERS[self.how](self.dataset, indices)
 
 
 class EpochBatches(BatchSampler):
-    """A BatchSampler that passes set_epoch on to its sampler (EpochOrder), as the runner calls it."""
+    """The batches of an epoch's order. set_epoch goes on to the order (EpochOrder), as the runner
+    calls it; each batch is a SampleBatch carrying a random stream (`stream`, else the order's: the
+    epoch's), so the items draw from their own sample_generator() whoever fetches them
+    (dlpipe.sample_rng). Without either, plain lists."""
+
+    def __init__(self, sampler, batch_size: int, drop_last: bool, stream: int | None = None):
+        super().__init__(sampler, batch_size, drop_last)
+        self.stream = stream
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
+    def __iter__(self):
+        stream = self.stream if self.stream is not None else getattr(self.sampler, "stream", None)
+        if stream is None:
+            yield from super().__iter__()
+            return
+        for batch in super().__iter__():
+            yield SampleBatch(batch, stream)
+
+
+def fetch_mode(loader) -> str:
+    """How a built loader fetches: "batch" (one gather per batch) or "item"."""
+    gather = loader.dataset
+    return "batch" if isinstance(gather, BatchGather) and gather.how is not None else "item"
+
 
 def item_collate(loader):
-    """The collate a DataLoader's batches are made by from items (None: default_collate), also when it
-    fetches whole batches and has none of its own."""
-    return loader.dataset.item_collate if isinstance(loader.dataset, BatchGather) else loader.collate_fn
+    """The collate a loader's batches are made by from items (None: default_collate)."""
+    return loader.dataset.item_collate
 
 
 def gather_for(dataset: Dataset, fetch: str, collate_fn: Callable | None) -> str | None:

@@ -30,7 +30,7 @@ from dlpipe.loader import policy
 
 log = logging.getLogger("dlpipe")
 
-SETTINGS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "fetch")
+SETTINGS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "fetch", "worker_method")
 """The loader settings a measurement is filed under."""
 
 MIN_GAIN = 0.03
@@ -58,13 +58,16 @@ def model_key(cfg) -> str:
 
 
 def effective(settings: dict) -> dict:
-    """The filed settings: what PyTorch does with them (prefetch and persistence mean nothing without
-    workers; an unset prefetch_factor is PyTorch's default)."""
+    """The filed settings: what PyTorch does with them (prefetch, persistence and the worker method
+    mean nothing without workers, threads keep nothing across epochs; an unset prefetch_factor is
+    PyTorch's default; lines filed before a setting existed had its default)."""
     workers = int(settings["num_workers"])
+    threads = workers > 0 and settings.get("worker_method") == "thread"
     return {"num_workers": workers,
             "prefetch_factor": policy.prefetch_in_effect(workers, settings.get("prefetch_factor")) or None,
-            "persistent_workers": bool(settings.get("persistent_workers")) and workers > 0,
-            "pin_memory": bool(settings.get("pin_memory")), "fetch": settings.get("fetch") or "item"}
+            "persistent_workers": bool(settings.get("persistent_workers")) and workers > 0 and not threads,
+            "pin_memory": bool(settings.get("pin_memory")), "fetch": settings.get("fetch") or "item",
+            "worker_method": "thread" if threads else "process"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class Observation:
         pin = (" pin_memory=true" if s["pin_memory"] else "") + (" fetch=batch" if s.get("fetch") == "batch" else "")
         if s["num_workers"] == 0:
             return "num_workers=0" + pin
+        if s.get("worker_method") == "thread":
+            return f"num_workers={s['num_workers']} worker_method=thread prefetch_factor={s['prefetch_factor']}{pin}"
         return (f"num_workers={s['num_workers']} prefetch_factor={s['prefetch_factor']} "
                 f"persistent_workers={str(s['persistent_workers']).lower()}{pin}")
 

@@ -134,6 +134,10 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
         how, why = find_gather(train_set, build_collate(loader))
         loader = replace(loader, fetch="batch" if how else "item")
         reasons["loader.fetch"] = f"{loader.fetch} (auto: {why if how else 'item by item: ' + why})"
+    if loader.worker_method == "auto":
+        from dlpipe.loader import worker_method
+
+        loader = worker_method.fit(loader, raw_loader, train_set, build_collate(loader), reasons)
     return loader, reasons
 
 

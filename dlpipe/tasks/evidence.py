@@ -54,9 +54,11 @@ def item_cost_here(train_set, loader) -> float | None:
 
 def settings_of(loader) -> dict:
     """The settings a built DataLoader really runs with (after dlpipe's normalisation)."""
-    from dlpipe.loader.fetch import BatchGather
+    from dlpipe.loader.fetch import fetch_mode
+    from dlpipe.loader.threads import worker_method_of
 
     return {"num_workers": loader.num_workers, "prefetch_factor": loader.prefetch_factor,
             "persistent_workers": loader.persistent_workers, "pin_memory": bool(loader.pin_memory),
-            "fetch": "batch" if isinstance(loader.dataset, BatchGather) else "item"}
+            "fetch": fetch_mode(loader), "worker_method": worker_method_of(loader)}
+
 

@@ -77,14 +77,18 @@ def value_lines(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str
 
 def dataloader_line(loader: LoaderConfig, plan) -> str:
     """The settings a DataLoader gets, a value the config asked otherwise marked `(asked X)`."""
+    from torch.utils.data import BatchSampler
+
     from dlpipe.loader.build import EpochOrder
 
     built = plan.loader
-    batches = built.sampler if plan.fetch == "batch" else built.batch_sampler  # whole-batch fetching batches first
+    # whole-batch fetching and thread workers batch the order first; PyTorch's own path batches after
+    batches = built.sampler if isinstance(built.sampler, BatchSampler) else built.batch_sampler
     order = batches.sampler
     shuffled = isinstance(order, EpochOrder) and order.shuffle  # validation never shuffles
     settings = {"batch_size": batches.batch_size, "num_workers": built.num_workers, **plan.settings,
                 "shuffle": shuffled, "drop_last": batches.drop_last, "fetch": plan.fetch,
+                "worker_method": plan.worker_method,
                 "collate_fn": (loader.collate_fn or {}).get("_target_", "default_collate")}
     return " ".join(f"{key}={value}" + (f" (asked {plan.requested[key]})" if key in plan.requested else "")
                     for key, value in settings.items())

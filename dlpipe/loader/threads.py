@@ -1,0 +1,140 @@
+"""Thread workers (`loader.worker_method=thread`): batches fetched by threads of the main process.
+
+Worker processes pay for their start-up, a pickle of every batch through shared memory, and a copy
+of the dataset's memory each; threads pay none of that but share one GIL. Where `__getitem__`
+spends its time in code that releases the GIL (image decoding in PIL, file reads, NumPy and torch
+kernels), threads fetch about as fast as processes at a fraction of the memory, and they need no
+/dev/shm. The thread pool is torchdata.nodes' ParallelMapper (in order, a bounded number of batches
+in flight); this module only makes it look like the DataLoader the runner, bench and tune expect.
+
+What stays the same as with processes: the order (the same EpochOrder batches), each sample's
+randomness where the dataset draws it from dlpipe.sample_rng.sample_generator(), loader.timeout,
+pin_memory, and the error naming the failing sample. What differs: the global RNGs (torch, random,
+NumPy) are the main process's, shared by every thread, so a dataset that draws from them is not
+reproducible with threads (loader.worker_method=auto never picks threads for one).
+"""
+
+import queue
+import threading
+from collections.abc import Iterator
+
+from torch._utils import ExceptionWrapper
+
+from dlpipe.loader.fetch import BatchGather, EpochBatches
+
+_END = object()
+
+
+def worker_method_of(loader) -> str:
+    """"thread" for thread workers, else "process" (PyTorch's: also with no workers at all)."""
+    return getattr(loader, "worker_method", "process")
+
+
+class ThreadLoader:
+    """A DataLoader-like iterable: `batches` (EpochBatches over the epoch's order) fetched through
+    `gather` (a BatchGather: one gather, or items then their collate) by `num_workers` threads.
+
+    prefetch_factor means what it means for processes: batches in flight per worker."""
+
+    worker_method = "thread"
+    persistent_workers = False  # threads start in microseconds: there is nothing to keep
+    multiprocessing_context = None
+    batch_size = None  # the batches come from `sampler` (an EpochBatches), as with loader.fetch=batch
+
+    def __init__(self, gather: BatchGather, batches: EpochBatches, *, num_workers: int, prefetch_factor: int,
+                 pin_memory: bool, timeout: float, generator):
+        self.dataset, self.sampler = gather, batches
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.pin_memory, self.timeout, self.generator = pin_memory, timeout, generator
+        self.collate_fn = None
+        self._epoch: Iterator | None = None
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator:
+        node = self._pipeline()
+        self._epoch = _with_timeout(node, self.timeout) if self.timeout else _unwrap_errors(node)
+        return self._epoch
+
+    def shutdown(self) -> None:
+        """Stop the threads of an epoch left unfinished (a stop, limit_train_batches) now: closing its
+        iterator drops the graph, whose threads then end within torchdata's 0.1 s poll."""
+        if self._epoch is not None:
+            self._epoch.close()
+            self._epoch = None
+
+    def _pipeline(self):
+        """The epoch's torchdata.nodes graph: batches of indices -> threads -> (pinning) -> prefetch.
+        ParallelMapper keeps at most 2 batches per worker in flight (max_concurrent may only lower it,
+        to one per worker); a Prefetcher holds the rest of a larger prefetch_factor."""
+        from torchdata.nodes import IterableWrapper, ParallelMapper, PinMemory, Prefetcher
+
+        per_worker = max(1, self.prefetch_factor)
+        node = ParallelMapper(IterableWrapper(self.sampler), _Fetch(self.dataset), num_workers=self.num_workers,
+                              in_order=True, method="thread",
+                              max_concurrent=self.num_workers if per_worker == 1 else None)
+        if self.pin_memory:
+            node = PinMemory(node)
+        if per_worker > 2:
+            node = Prefetcher(node, prefetch_factor=(per_worker - 2) * self.num_workers)
+        return node
+
+
+class _Fetch:
+    """The map function: a batch of indices -> the batch, or the exception wrapped with where it
+    happened (torchdata's own wrapper would say "in _apply_udf"; PyTorch's says which worker)."""
+
+    def __init__(self, gather: BatchGather):
+        self.gather = gather
+
+    def __call__(self, indices):
+        try:
+            return self.gather[indices]
+        except Exception:  # noqa: BLE001 - handed to the main thread, which raises it (_unwrap_errors)
+            return ExceptionWrapper(where="in a DataLoader worker thread")
+
+
+def _unwrap_errors(node) -> Iterator:
+    for batch in node:
+        if isinstance(batch, ExceptionWrapper):
+            batch.reraise()
+        yield batch
+
+
+def _with_timeout(node, timeout: float) -> Iterator:
+    """The batches of `node`, raising PyTorch's own timeout error when none arrives within `timeout`
+    seconds. A relay thread consumes the graph: the graph's own next() waits without a deadline."""
+    handed: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def relay():
+        try:
+            for batch in node:
+                while not stop.is_set():
+                    try:
+                        handed.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            handed.put(_END)
+        except BaseException:  # noqa: BLE001 - raised again in the consuming thread
+            handed.put(ExceptionWrapper(where="in the DataLoader's thread relay"))
+
+    thread = threading.Thread(target=relay, name="dlpipe-loader-relay", daemon=True)
+    thread.start()
+    try:
+        while True:
+            try:
+                batch = handed.get(timeout=timeout)
+            except queue.Empty:
+                raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from None
+            if batch is _END:
+                return
+            if isinstance(batch, ExceptionWrapper):
+                batch.reraise()
+            yield batch
+    finally:
+        stop.set()

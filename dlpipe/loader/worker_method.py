@@ -1,0 +1,150 @@
+"""loader.worker_method=auto: processes or threads for the workers, decided on the built dataset.
+
+Measured on this 2-CPU machine (issue 16): on JPEG decode 2 threads reached 0.94 of 2 processes, at
+a fraction of the memory; with pure-Python augmentation holding the GIL they fell to 0.73. So
+threads are chosen where a probe shows they scale, and never for a dataset that draws from the
+global RNGs (with threads those are the main process's, shared with training: neither would be
+reproducible any more). Where /dev/shm cannot hold the batches in flight, processes would die of a
+bus error, so threads are taken anyway; on a free-threaded Python there is no GIL to share.
+"""
+
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from dlpipe.loader import policy
+from dlpipe.loader.fetch import BatchGather
+from dlpipe.loader.threads import ThreadLoader
+from dlpipe.sample_rng import SampleBatch
+from dlpipe.schema import LoaderConfig
+
+THREAD_SCALING_MIN = 0.75
+"""Threads are taken when N of them fetch at least 0.75 x N times as fast as one: about what N worker
+processes reach after their pickling and hand-over (2 threads on JPEG decode reached 0.94 of 2
+processes), and halfway between a dataset that holds the GIL (1x) and one that releases it (N x)."""
+PROBE_SERIAL_S = 0.1
+"""About how long each round fetches in this thread before it times N threads on the same batches."""
+PROBE_ROUNDS = 3
+RNG_PROBE_ITEMS = 4
+
+
+def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: Callable | None,
+        reasons: dict[str, str]) -> LoaderConfig:
+    """loader.worker_method=auto decided on the built training split, its reason added to `reasons`.
+    Threads keep nothing across epochs, so automatic persistence goes with them."""
+    if not loader.num_workers or not len(train_set):  # type: ignore[arg-type]
+        return replace(loader, worker_method="process")  # no workers: nothing to decide, PyTorch's default
+    from dlpipe.hardware import shm_free_bytes
+    from dlpipe.loader.build import batch_bytes
+
+    inflight = policy.inflight_bytes(loader.num_workers, loader.prefetch_factor,
+                                     batch_bytes(train_set, loader.batch_size, collate_fn))
+    method, why = choose(train_set, loader.num_workers, loader.batch_size, collate_fn,
+                         policy.shm_overflow(inflight, shm_free_bytes()))
+    loader = replace(loader, worker_method=method)
+    reasons["loader.worker_method"] = f"{method} (auto: {why})"
+    if method == "thread" and loader.persistent_workers and policy.is_auto(raw_loader["persistent_workers"],
+                                                                          "auto_persistent"):
+        loader = replace(loader, persistent_workers=False)
+        reasons["loader.persistent_workers"] = "False (auto: thread workers start in microseconds: nothing to keep)"
+    return loader
+
+
+def choose(dataset: Dataset, num_workers: int, batch_size: int, collate_fn: Callable | None,
+           shm_too_small: bool) -> tuple[str, str]:
+    """("thread" or "process", why) for `num_workers` workers fetching `dataset` (a built split)."""
+    if getattr(sys, "_is_gil_enabled", lambda: True)() is False:
+        return "thread", "this Python runs without the GIL (free-threaded): threads fetch in parallel, sharing memory"
+    if shm_too_small:
+        return "thread", ("/dev/shm cannot hold the batches worker processes keep in flight (they would die of a "
+                          "bus error); threads need none")
+    drawn = global_draws(dataset)
+    if drawn:
+        return "process", (f"the dataset draws from the global {drawn} RNG while fetching: threads would share "
+                           "that stream with training and each other (draw from dlpipe.sample_rng.sample_generator() "
+                           "to make threads possible)")
+    speedup = thread_speedup(dataset, num_workers, batch_size, collate_fn)
+    if speedup >= THREAD_SCALING_MIN * num_workers:
+        return "thread", (f"{num_workers} threads fetched {speedup:.2f}x as fast as one (the dataset releases the "
+                          "GIL): as fast as processes, without their memory, start-up and hand-over")
+    return "process", (f"{num_workers} threads fetched only {speedup:.2f}x as fast as one, under "
+                       f"{THREAD_SCALING_MIN:g} x {num_workers} (the dataset holds the GIL)")
+
+
+def global_draws(dataset: Dataset) -> str | None:
+    """Which global RNG (torch, numpy, random) fetching a few training items advanced, or None.
+    The items are fetched as training fetches them (a SampleBatch: sample_generator() is theirs)."""
+    n = len(dataset)  # type: ignore[arg-type]
+    before = _states()
+    BatchGather(dataset, None, lambda items: items)[SampleBatch(
+        sorted({i * (n - 1) // max(RNG_PROBE_ITEMS - 1, 1) for i in range(min(RNG_PROBE_ITEMS, n))}), 0)]
+    after = _states()
+    changed = [name for name in before if not _same(before[name], after[name])]
+    _restore(before)
+    return " and ".join(changed) or None
+
+
+def thread_speedup(dataset: Dataset, num_workers: int, batch_size: int, collate_fn: Callable | None) -> float:
+    """Time to fetch some batches in this thread / time for `num_workers` threads (ThreadLoader, the
+    loader training would use) to fetch the same ones. In this thread, not in one worker thread: a
+    lone worker that holds the GIL makes the pipeline's own threads wait for it, which would flatter
+    N of them."""
+    gather = BatchGather(dataset, None, collate_fn)
+    n = len(dataset)  # type: ignore[arg-type]
+    size = min(batch_size, n)
+    started = time.perf_counter()
+    gather[SampleBatch(range(size), 0)]
+    one = max(time.perf_counter() - started, 1e-6)
+    count = num_workers * max(2, min(4, int(PROBE_SERIAL_S / (num_workers * one))))
+    batches = [SampleBatch([(b * size + i) % n for i in range(size)], 0) for b in range(count)]
+    state = _states()
+    try:
+        ratios = []
+        for _ in range(PROBE_ROUNDS):  # interleaved, the median: one descheduled round must not decide
+            started = time.perf_counter()
+            for batch in batches:
+                gather[batch]
+            serial = time.perf_counter() - started
+            parallel = _time(ThreadLoader(gather, batches, num_workers=num_workers, prefetch_factor=2,
+                                          pin_memory=False, timeout=0, generator=None))
+            ratios.append(serial / max(parallel, 1e-9))
+    finally:
+        _restore(state)
+    return statistics.median(ratios)
+
+
+def _time(loader: ThreadLoader) -> float:
+    """Seconds from starting the threads to the last batch, not to the end of the stream: torchdata
+    polls for that every 0.1 s, which an epoch pays once but would swamp a probe this short."""
+    started = time.perf_counter()
+    batches = iter(loader)
+    for _ in range(len(loader)):
+        next(batches)
+    return time.perf_counter() - started
+
+
+def _states() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return bool(torch.equal(a, b))
+    if isinstance(a, tuple):  # numpy's (name, keys, pos, has_gauss, gauss) and random's (version, internal, gauss)
+        return all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return a == b
+
+
+def _restore(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["random"])

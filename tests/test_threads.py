@@ -1,0 +1,181 @@
+"""Thread workers (loader.worker_method) and per-sample randomness (dlpipe.sample_rng): the same
+batches whoever fetches them, the same errors and timeout as processes, and the auto choice."""
+
+import random
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset, Subset
+
+from dlpipe.errors import user_message
+from dlpipe.loader.build import build_loader
+from dlpipe.loader.faults import NamedErrors, SampleError, explain_loader_failure
+from dlpipe.loader.threads import ThreadLoader
+from dlpipe.loader.worker_method import THREAD_SCALING_MIN, choose, global_draws
+from dlpipe.sample_rng import SampleBatch, sample_generator, sample_seed
+from dlpipe.schema import LoaderConfig
+
+
+class Augments(Dataset):
+    """Rows plus noise from the sample's own generator; `delay_s` of sleep (which releases the GIL)."""
+
+    def __init__(self, size=48, delay_s=0.0):
+        self.x, self.delay_s = torch.arange(size * 3, dtype=torch.float32).reshape(size, 3), delay_s
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.x[i] + torch.randn(3, generator=sample_generator()), i
+
+
+class GlobalNoise(Augments):
+    """Draws its noise from Python's global `random`: processes seed it per worker, threads share it."""
+
+    def __getitem__(self, i):
+        return self.x[i] + random.random(), i
+
+
+class Spins(Augments):
+    """Pure-Python work that holds the GIL: threads cannot run it side by side."""
+
+    def __getitem__(self, i):
+        total = 0
+        for k in range(40_000):
+            total += k * k
+        return self.x[i] + (total % 7), i
+
+
+class FailsAt(Augments):
+    def __getitem__(self, i):
+        if i == 13:
+            raise ValueError("corrupt record")
+        return super().__getitem__(i)
+
+
+class Hangs(Augments):
+    def __getitem__(self, i):
+        time.sleep(30 if i == 5 else 0)
+        return super().__getitem__(i)
+
+
+def plan_of(dataset, num_workers=0, worker_method="process", **over):
+    settings = dict(batch_size=8, num_workers=num_workers, pin_memory=False, prefetch_factor=None,
+                    persistent_workers=False, shuffle=True, drop_last=False, timeout=0.0,
+                    multiprocessing_context=None, seed=5, cuda=False, fetch="item", worker_method=worker_method)
+    settings.update(over)
+    return build_loader(NamedErrors(Subset(dataset, range(len(dataset)))), **settings)
+
+
+def epochs_of(plan, epochs=(0, 1, 2)):
+    out = []
+    for epoch in epochs:
+        plan.loader.sampler.set_epoch(epoch)
+        out.append([(x.clone(), y.clone()) for x, y in plan.loader])
+    return out
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(
+        len(ea) == len(eb) and all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(ea, eb))
+        for ea, eb in zip(a, b))
+
+
+def test_a_sample_is_augmented_the_same_whoever_fetches_it():
+    """Main process, 2 worker processes (persistent or not), 1 and 3 threads: bitwise the same batches,
+    epoch after epoch; the noise differs between epochs and between samples."""
+    reference = epochs_of(plan_of(Augments()))
+    for variant in (dict(num_workers=2), dict(num_workers=2, persistent_workers=True),
+                    dict(num_workers=1, worker_method="thread"), dict(num_workers=3, worker_method="thread")):
+        assert same(epochs_of(plan_of(Augments(), **variant)), reference), variant
+    first, second = reference[0], reference[1]
+    noise = {int(i): x - torch.arange(int(i) * 3, int(i) * 3 + 3) for xs, ys in first for x, i in zip(xs, ys)}
+    noise2 = {int(i): x - torch.arange(int(i) * 3, int(i) * 3 + 3) for xs, ys in second for x, i in zip(xs, ys)}
+    assert not torch.equal(noise[0], noise2[0]) and not torch.equal(noise[0], noise[1])
+
+
+def test_sample_seeds_depend_on_stream_and_index_only_and_batches_pickle_with_them():
+    import pickle
+
+    batch = pickle.loads(pickle.dumps(SampleBatch([4, 2], 17)))
+    assert batch == [4, 2] and batch.stream == 17 and isinstance(batch, SampleBatch)
+    seeds = {sample_seed(s, i) for s in range(5) for i in range(50)}
+    assert len(seeds) == 250 and all(0 <= x < 2**63 for x in seeds)
+    assert sample_generator() is None  # outside a training fetch: torch's functions use the global RNG
+
+
+def test_validation_draws_the_same_every_epoch_whoever_fetches():
+    """Validation batches carry one stream for all epochs: a dataset that draws at validation scores
+    the same samples the same way each epoch, in the main process, processes or threads."""
+    batches = [epochs_of(plan_of(Augments(), role="val", shuffle=False, **variant), epochs=(0, 3))
+               for variant in (dict(), dict(num_workers=2), dict(num_workers=2, worker_method="thread"))]
+    assert [int(i) for _, ys in batches[0][0] for i in ys] == list(range(48))
+    assert same([batches[0][0]], [batches[0][1]])  # epoch 3 as epoch 0
+    assert same(batches[1], batches[0]) and same(batches[2], batches[0])
+
+
+def test_a_failing_item_is_named_from_a_thread_as_from_a_process():
+    errors = []
+    for variant in (dict(num_workers=2), dict(num_workers=2, worker_method="thread")):
+        with pytest.raises(SampleError) as caught:
+            list(plan_of(FailsAt(), shuffle=False, **variant).loader)
+        errors.append(user_message(caught.value))
+    assert errors[0][0].startswith("dataset item 13: ValueError: corrupt record (DataLoader worker process")
+    assert errors[1] == ["dataset item 13: ValueError: corrupt record (a DataLoader worker thread)"]
+
+
+def test_the_timeout_holds_for_threads_with_pytorchs_message():
+    plan = plan_of(Hangs(), num_workers=2, worker_method="thread", shuffle=False, timeout=1.0)
+    with pytest.raises(RuntimeError) as caught:
+        list(plan.loader)
+    assert str(caught.value) == "DataLoader timed out after 1.0 seconds"
+    line = explain_loader_failure(caught.value, LoaderConfig(timeout=1.0, num_workers=2))
+    assert line.startswith("loader.timeout=1.0: no batch arrived from the workers in 1.0 s")
+
+
+def test_thread_settings_are_normalised_with_a_note_each():
+    plan = plan_of(Augments(), num_workers=2, worker_method="thread", persistent_workers=True,
+                   multiprocessing_context="spawn", prefetch_factor=3)
+    assert isinstance(plan.loader, ThreadLoader) and plan.worker_method == "thread"
+    assert plan.settings["persistent_workers"] is False and plan.settings["multiprocessing_context"] is None
+    assert plan.requested == {"persistent_workers": True, "multiprocessing_context": "spawn"}
+    assert [n.split(" ignored")[0] for n in plan.notes] == ["train: loader.persistent_workers=true",
+                                                            "train: loader.multiprocessing_context=spawn"]
+    assert len(plan.loader) == 6 and sum(len(ys) for _, ys in plan.loader) == 48
+    # no workers: nothing to thread, PyTorch's loader in the main process
+    assert plan_of(Augments(), num_workers=0, worker_method="thread").worker_method == "process"
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 5])
+def test_every_prefetch_factor_delivers_every_batch_in_order(prefetch):
+    plan = plan_of(Augments(size=100), num_workers=2, worker_method="thread", prefetch_factor=prefetch, shuffle=False)
+    assert [int(i) for _, ys in plan.loader for i in ys] == list(range(100))
+
+
+def test_auto_picks_threads_where_they_scale_and_processes_where_they_cannot():
+    """Sleeping items (I/O: the GIL released) scale with threads; pure-Python items do not; a dataset
+    drawing from a global RNG never gets threads; a /dev/shm too small for processes gets them anyway."""
+    wrap = lambda d: NamedErrors(Subset(d, range(len(d))))  # noqa: E731 - as training builds it
+    method, why = choose(wrap(Augments(size=64, delay_s=0.01)), 2, 8, None, shm_too_small=False)
+    assert method == "thread", why
+    assert why.startswith("2 threads fetched ") and "as fast as one (the dataset releases the GIL)" in why
+    method, why = choose(wrap(Spins(size=32)), 2, 8, None, shm_too_small=False)
+    assert method == "process", why
+    assert f"under {THREAD_SCALING_MIN:g} x 2 (the dataset holds the GIL)" in why
+    method, why = choose(wrap(GlobalNoise()), 2, 8, None, shm_too_small=False)
+    assert (method, why.split(" while")[0]) == ("process", "the dataset draws from the global random RNG")
+    assert choose(wrap(GlobalNoise()), 2, 8, None, shm_too_small=True)[0] == "thread"
+
+
+def test_the_rng_probe_leaves_every_global_stream_as_it_was():
+    torch.manual_seed(1)
+    random.seed(1)
+    expected = (torch.rand(2), random.random())
+    torch.manual_seed(1)
+    random.seed(1)
+    assert global_draws(NamedErrors(GlobalNoise())) == "random"
+    assert global_draws(NamedErrors(Augments())) is None
+    assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
