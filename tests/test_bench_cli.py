@@ -97,6 +97,9 @@ def test_tune_picks_workers_for_slow_items_and_writes_a_config_that_composes(
         "False", "True")
     assert parent.data.params["auto.loader.pin_memory"] == "True (user override)"
     assert {t.data.params["loader.pin_memory"] for t in trials} == {"False"} and tuned["pin_memory"] is False
+    # it draws from torch's global RNG (torch.randn per item): no thread trial, none written
+    assert {t.data.params["loader.worker_method"] for t in trials} == {"process"} == {tuned["worker_method"]}
+    assert tuned["fetch"] == "item"  # a list index is no gather of its items here
 
     # the file is used with one override, and the lint trusts its measured worker count (Hydra takes
     # one --config-dir: the user's folder holds the test dataset's option beside the tuned loader)
@@ -113,8 +116,10 @@ def test_tune_keeps_in_memory_data_in_the_main_process(dlpipe, tmp_path):
     r = dlpipe("tune", *IN_MEMORY, "bench.batches=20", "bench.repeats=3", "tracking=none",
                f"bench.output_dir={tmp_path}")
     assert r.returncode == 0, r.stderr
-    assert yaml.safe_load(Path(tmp_path, "loader", "tuned.yaml").read_text())["num_workers"] == 0
-    assert "tuned: num_workers=0" in r.stdout
+    tuned = yaml.safe_load(Path(tmp_path, "loader", "tuned.yaml").read_text())
+    assert tuned["num_workers"] == 0 and "tuned: num_workers=0" in r.stdout
+    # the job's own loader already gathers whole batches (loader.fetch=auto): written as decided
+    assert (tuned["fetch"], tuned["worker_method"]) == ("batch", "process")
 
 
 def test_bench_train_mode_runs_the_training_step(dlpipe):

@@ -91,3 +91,67 @@ def test_automatic_persistence_follows_the_worker_count_the_climb_reaches():
     assert best == Candidate(4, 2, False, False)
     best, _ = search_over(cpu_heavy)  # without the rule the start's value is kept
     assert best == Candidate(4, 2, True, False)
+
+
+def search_with_memory(profile, max_workers=6, **kwargs):
+    """As search_over, where `profile(c)` gives (samples/s, peak MB of the process tree)."""
+    def evaluate(c):
+        value, peak = profile(c)
+        return Trial(c, runs=[value, value * 1.005, value * 0.995], metrics={"tree_rss_peak_mb": peak})
+
+    search = Search(evaluate, min_gain=0.03, max_workers=max_workers, tune_persistent=True, tune_pin=False, **kwargs)
+    return search.run(START), list(search.trials)
+
+
+def decode(c):
+    """JPEG decode: Pillow releases the GIL, so threads fetch as fast as processes (within 1%) with
+    one process's memory instead of one per worker; it scales to 4 CPUs either way."""
+    speed = cpu_heavy(c) * (0.99 if c.worker_method == "thread" else 1.0)
+    return speed, 500.0 + (0 if c.worker_method == "thread" else 150.0 * c.num_workers)
+
+
+def python_augment(c):
+    """Pure-Python augmentation holds the GIL: threads stay at the speed of one."""
+    speed = cpu_heavy(c) if c.worker_method == "process" else 900.0
+    return speed, 500.0 + (0 if c.worker_method == "thread" else 150.0 * c.num_workers)
+
+
+def remote_reads(c):
+    """Items waiting on storage: processes stop gaining at the 4 CPUs their hand-over needs; threads,
+    which only wait, gain up to 12 of them."""
+    return 100.0 * min(c.num_workers, 12 if c.worker_method == "thread" else 4), 500.0 + (
+        0 if c.worker_method == "thread" else 150.0 * c.num_workers)
+
+
+def test_threads_win_when_as_fast_at_less_memory_and_only_then():
+    best, tried = search_with_memory(decode, tune_threads=True)
+    assert best == Candidate(4, 2, False, False, worker_method="thread")
+    best, tried = search_with_memory(python_augment, tune_threads=True)
+    assert best.worker_method == "process" and best.num_workers == 4
+    assert Candidate(4, 2, False, False, worker_method="thread") in tried  # measured, and slower
+    best, tried = search_with_memory(decode)  # a dataset drawing from the global RNGs: no thread trial
+    assert best.worker_method == "process" and all(c.worker_method == "process" for c in tried)
+
+
+def test_threads_climb_past_the_cpu_budget_while_they_gain():
+    best, _ = search_with_memory(remote_reads, max_workers=16, tune_threads=True)
+    assert (best.worker_method, best.num_workers) == ("thread", 12)
+    best, _ = search_with_memory(remote_reads, max_workers=8, tune_threads=True)
+    assert (best.worker_method, best.num_workers) == ("thread", 8)  # bench.max_workers bounds the climb
+
+
+def test_whole_batch_gathers_are_tried_at_the_best_count_and_without_workers():
+    def gathered(c):
+        return in_memory(c) * (3.0 if c.fetch == "batch" else 1.0)
+
+    best, tried = search_over(gathered, gathers=True)
+    assert best == Candidate(0, None, False, False, fetch="batch")
+    best, tried = search_over(gathered)  # a dataset without a gather equal to its items' collate
+    assert best == Candidate(0, None, False, False) and all(c.fetch == "item" for c in tried)
+
+
+def test_candidates_normalise_what_means_nothing():
+    assert Candidate(0, None, True, False, worker_method="thread") == Candidate(0, None, False, False)
+    assert Candidate(2, 2, True, False, worker_method="thread").persistent_workers is False
+    assert Candidate(2, 2, False, False, "batch", "thread").label() == \
+        "num_workers=2 worker_method=thread prefetch_factor=2 fetch=batch"

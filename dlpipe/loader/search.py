@@ -11,8 +11,13 @@ trials than the full grid:
    value while it improves, else down towards 1; at most bench.max_workers (default: the CPU
    budget plus half of it). A start with no workers (loader=pytorch) first tries the automatic
    worker count and climbs from there if it wins;
-4. with the best worker count: prefetch_factor doubled, persistent_workers flipped (only when the
-   measurement crosses an epoch boundary, where it matters), pin_memory flipped (only with CUDA).
+4. where the dataset gathers whole batches, loader.fetch=batch at the best worker count and at 0;
+5. with workers, the other worker method at the best count: threads win when faster, or when as
+   fast within the noise at a lower peak RSS of the whole process tree; then more threads while
+   they gain (a dataset waiting on I/O may use more threads than CPUs);
+6. with the best worker count: prefetch_factor doubled, persistent_workers flipped (only when the
+   measurement crosses an epoch boundary, where it matters, and only for processes), pin_memory
+   flipped (only with CUDA).
 Before each trial a memory guard estimates workers x prefetch_factor x batch bytes against free
 /dev/shm and the RAM the workers would take against available memory, and skips what does not fit.
 """
@@ -32,16 +37,31 @@ class Candidate:
     prefetch_factor: int | None
     persistent_workers: bool
     pin_memory: bool
+    fetch: str = "item"
+    """item or batch (loader.fetch): decided, never auto."""
+    worker_method: str = "process"
+    """process or thread (loader.worker_method); process without workers."""
+
+    def __post_init__(self):  # one candidate per effective loader: what means nothing is normalised away
+        if self.num_workers == 0 and (self.worker_method != "process" or self.persistent_workers):
+            object.__setattr__(self, "worker_method", "process")
+            object.__setattr__(self, "persistent_workers", False)
+        if self.worker_method == "thread" and self.persistent_workers:
+            object.__setattr__(self, "persistent_workers", False)
 
     def label(self) -> str:
+        tail = (" fetch=batch" if self.fetch == "batch" else "") + (" pin_memory=true" if self.pin_memory else "")
         if self.num_workers == 0:
-            return "num_workers=0" + (" pin_memory=true" if self.pin_memory else "")
+            return "num_workers=0" + tail
+        if self.worker_method == "thread":
+            return f"num_workers={self.num_workers} worker_method=thread prefetch_factor={self.prefetch_factor}" + tail
         return (f"num_workers={self.num_workers} prefetch_factor={self.prefetch_factor} "
-                f"persistent_workers={str(self.persistent_workers).lower()} pin_memory={str(self.pin_memory).lower()}")
+                f"persistent_workers={str(self.persistent_workers).lower()}" + tail)
 
     def settings(self) -> dict:
         return {"num_workers": self.num_workers, "prefetch_factor": self.prefetch_factor if self.num_workers else None,
-                "persistent_workers": self.persistent_workers and self.num_workers > 0, "pin_memory": self.pin_memory}
+                "persistent_workers": self.persistent_workers and self.num_workers > 0, "pin_memory": self.pin_memory,
+                "fetch": self.fetch, "worker_method": self.worker_method}
 
     def with_workers(self, n: int) -> "Candidate":
         if n == 0:
@@ -67,7 +87,9 @@ def memory_guard(c: Candidate, batch_bytes: int, shm_free: int | None, ram_avail
     if c.num_workers == 0:
         return None
     inflight = policy.inflight_bytes(c.num_workers, c.prefetch_factor, batch_bytes)
-    if policy.shm_overflow(inflight, shm_free):
+    if c.worker_method == "thread":  # no /dev/shm, no process of their own: only the batches in flight
+        worker_rss_bytes = 0.0
+    elif policy.shm_overflow(inflight, shm_free):
         prefetch = policy.prefetch_in_effect(c.num_workers, c.prefetch_factor)
         return (f"{c.num_workers} workers x prefetch {prefetch} x {batch_bytes / 2**20:.1f} MB = "
                 f"{inflight / 2**20:.0f} MB in flight, over half the {shm_free / 2**20:.0f} MB free in /dev/shm")
@@ -82,13 +104,17 @@ class Search:
     """The search of the module docstring over an `evaluate(candidate) -> Trial` function."""
 
     def __init__(self, evaluate, min_gain: float, max_workers: int, tune_persistent: bool, tune_pin: bool,
-                 seed_workers: int = 2, persist: Callable[[int], bool] | None = None):
+                 seed_workers: int = 2, persist: Callable[[int], bool] | None = None, gathers: bool = False,
+                 tune_threads: bool = False):
         """`seed_workers`: where to start climbing when the start config has no workers. `persist`:
         persistent_workers for a worker count (policy.persist_workers) when it is automatic, so a
-        candidate carries the value the job would get with that many workers; None keeps the start's."""
+        candidate carries the value the job would get with that many workers; None keeps the start's.
+        `gathers`: the dataset gathers whole batches (loader.fetch=batch is possible). `tune_threads`:
+        thread workers are a candidate (not for a dataset that draws from the global RNGs)."""
         self.evaluate, self.min_gain, self.max_workers = evaluate, min_gain, max_workers
         self.seed_workers, self.persist = seed_workers, persist
         self.tune_persistent, self.tune_pin = tune_persistent, tune_pin
+        self.gathers, self.tune_threads = gathers, tune_threads
         self.trials: dict[Candidate, Trial] = {}
         self.threshold = min_gain
 
@@ -123,12 +149,14 @@ class Search:
             seed = self._with_workers(start, max(1, min(self.seed_workers, self.max_workers)))
             if self.max_workers and self._better(seed, best):
                 best = self._climb_workers(seed)
+        best = self._fetch(best)
+        best = self._method(best)
         if best.num_workers:
             prefetch = policy.prefetch_in_effect(best.num_workers, best.prefetch_factor)
             doubled = replace(best, prefetch_factor=2 * prefetch)
             if self._better(doubled, best):
                 best = doubled
-            if self.tune_persistent:
+            if self.tune_persistent and best.worker_method == "process":
                 flipped = replace(best, persistent_workers=not best.persistent_workers)
                 if self._better(flipped, best):
                     best = flipped
@@ -136,6 +164,47 @@ class Search:
             flipped = replace(best, pin_memory=not best.pin_memory)
             if self._better(flipped, best):
                 best = flipped
+        return best
+
+    def _fetch(self, best: Candidate) -> Candidate:
+        """One gather per batch, where the dataset can: at the best worker count, and without workers
+        (a gather is cheap enough that workers rarely pay for their hand-over)."""
+        if not self.gathers or best.fetch == "batch":
+            return best
+        for batched in (replace(best, fetch="batch"), replace(self._with_workers(best, 0), fetch="batch")):
+            if self._better(batched, best):
+                best = batched
+        return best
+
+    def _method(self, best: Candidate) -> Candidate:
+        """The other worker method at the best worker count: taken when faster, or, for threads, when
+        as fast within the noise with less memory (the whole process tree's peak RSS); then more
+        threads while they gain (a dataset waiting on I/O may use more threads than CPUs)."""
+        if not best.num_workers or not self.tune_threads:
+            return best
+        other = replace(best, worker_method="thread" if best.worker_method == "process" else "process",
+                        persistent_workers=False if best.worker_method == "process" else
+                        (self.persist(best.num_workers) if self.persist else best.persistent_workers))
+        if self._better(other, best):
+            best = other
+        elif other.worker_method == "thread" and self._as_fast_lighter(other, best):
+            best = other
+        if best.worker_method == "thread":
+            best = self._climb_up(best)
+        return best
+
+    def _as_fast_lighter(self, c: Candidate, best: Candidate) -> bool:
+        """`c` within the noise of `best` (not slower by the threshold) with a lower process-tree peak."""
+        self._score(c)
+        rss = lambda x: self.trials[x].metrics.get("tree_rss_peak_mb")  # noqa: E731
+        return (not self.trials[c].skipped and self._score(c) * (1 + self.threshold) >= self._score(best)
+                and rss(c) is not None and rss(best) is not None and rss(c) < rss(best))
+
+    def _climb_up(self, best: Candidate) -> Candidate:
+        for n in (n for n in LADDER if best.num_workers < n <= self.max_workers):
+            if not self._better(self._with_workers(best, n), best):
+                break
+            best = self._with_workers(best, n)
         return best
 
     def _climb_workers(self, best: Candidate) -> Candidate:

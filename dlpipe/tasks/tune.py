@@ -44,7 +44,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
             search = Search(evaluate, bench.min_gain, max_workers,
                             tune_persistent=crosses_epochs and cfg.trainer.epochs > 1, tune_pin=cuda,
                             seed_workers=hardware.recommended_workers(budget.budget),
-                            persist=automatic_persistence(raw, cfg, len(job.train_set)))
+                            persist=automatic_persistence(raw, cfg, len(job.train_set)),
+                            **dataset_options(cfg, job.train_set))
             best = search.run(start)
         finally:
             sampler.stop()
@@ -63,7 +64,20 @@ def start_candidate(plan) -> Candidate:
     without CUDA, so no trial pins there and the search flips pinning only with CUDA)."""
     loader = plan.loader  # PyTorch's own prefetch default included: what the workers really keep ready
     return Candidate(loader.num_workers, loader.prefetch_factor if loader.num_workers else None,
-                     loader.persistent_workers, bool(loader.pin_memory))
+                     loader.persistent_workers, bool(loader.pin_memory), plan.fetch, plan.worker_method)
+
+
+def dataset_options(cfg: DlpipeConfig, train_set) -> dict[str, bool]:
+    """What the dataset allows the search: whole-batch gathers (loader.fetch=batch) where they equal
+    its per-item collate, threads unless it draws from the global RNGs (loader.worker_method)."""
+    from dlpipe.loader import worker_method
+    from dlpipe.loader.fetch import find_gather
+    from dlpipe.tasks.build import build_collate
+
+    if not len(train_set):
+        return {"gathers": False, "tune_threads": False}
+    how, _ = find_gather(train_set, build_collate(cfg.loader))
+    return {"gathers": how is not None, "tune_threads": worker_method.global_draws(train_set) is None}
 
 
 def automatic_persistence(raw: dict, cfg: DlpipeConfig, train_size: int):
@@ -118,7 +132,7 @@ def trial_params(c: Candidate, settings: dict, cuda: bool) -> dict[str, str]:
 
     chosen = {**settings, **c.settings()}
     asked = {key: chosen[key] for key in NORMALISED}
-    effective, requested, _ = normalise(c.num_workers, asked, cuda)
+    effective, requested, _ = normalise(c.num_workers, asked, cuda, c.worker_method)
     return settings_params({**c.settings(), **effective}, requested)
 
 
@@ -198,12 +212,12 @@ def write_config(path: Path, loader: dict, best: Candidate, head: str) -> Path:
 
 
 def trial_table(trials: list[Trial], best: Candidate) -> str:
-    lines = ["| candidate | samples/s (median) | runs | first batch s | cpu % | worker MB | note |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| candidate | samples/s (median) | runs | first batch s | cpu % | worker MB | peak MB (all processes) "
+             "| note |", "|---|---|---|---|---|---|---|---|"]
     for t in trials:
         m = t.metrics
         note = "best" if t.candidate == best else (f"skipped: {t.skipped}" if t.skipped else "")
         lines.append(f"| {t.candidate.label()} | {t.samples_per_s:.1f} | {' '.join(f'{v:.0f}' for v in t.runs)} | "
                      f"{m.get('first_batch_s', 0):.2f} | {m.get('cpu_util', 0):.0f} | "
-                     f"{m.get('worker_rss_mean_mb', 0):.0f} | {note} |")
+                     f"{m.get('worker_rss_mean_mb', 0):.0f} | {m.get('tree_rss_peak_mb', 0):.0f} | {note} |")
     return "\n".join(lines)
