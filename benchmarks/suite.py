@@ -66,6 +66,10 @@ BENCHMARKS = (
               ("--memory-size", "512", "--decode-size", "32", "--image-size", "32"), r"^- "),
     Benchmark("fetch_modes", "loader.fetch=batch >= 2x item on tabular rows in the main process",
               ("--rows", "512", "--workers", "0"), r"^- "),
+    Benchmark("loader_backends", "auto >= 0.9x and tune >= 0.97x of the oracle (fetch x worker_method x workers x "
+              "prefetch x persistence), tune at <= 1/3 of the grid's time; threads, where picked, >= 20% less RSS",
+              ("--repeats", "1", "--workers", "1", "--rows", "256", "--images", "32", "--image-size", "16",
+               "--python-ops", "64", "--warmup", "1", "--pipelines", "rows,jpeg+python"), r"^- "),
     Benchmark("gpu_loader_case_study", "reproduce the published case study: GPU utilisation 65% -> 89%, "
               "epoch 53 -> 37 min", TINY_VISION, r"^ratio ", needs_cuda=True),
 )

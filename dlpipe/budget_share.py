@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -147,6 +148,13 @@ def this_process(cgroup_source: str | None, *, ranks: bool, sweep: str = "") -> 
                      cpus=cpus, scope=limit_scope(cgroup_source), node=node_identity(), sweep=sweep)
 
 
+def record_name(record: JobRecord) -> str:
+    """`<pid>-<node hash>.json`: two containers with one hostname and one cache folder (a shared
+    home) have their own pids; the node part keeps their records from overwriting each other."""
+    node = hashlib.sha256(record.node.encode()).hexdigest()[:12]
+    return f"{record.pid}-{node}.json"
+
+
 class Registry:
     """The registry folder: `join` registers this process and lists the live jobs, `peek` only lists."""
 
@@ -159,7 +167,7 @@ class Registry:
         with self._locked() as usable:
             if not usable:
                 return [me]
-            path = self.folder / f"{me.pid}.json"
+            path = self.folder / record_name(me)
             temporary = path.with_name(path.name + ".tmp")  # readers never see half a record
             try:
                 temporary.write_text(json.dumps(asdict(me)), encoding="utf-8")
@@ -233,6 +241,16 @@ def _remove_at_exit(path: Path, pid: int) -> None:
             path.unlink(missing_ok=True)
 
     atexit.register(remove)
+
+
+def leave() -> None:
+    """Unregister the job this process ran, now that it ended. The joblib launcher and the basic
+    sweeper run the next job in the same process, which registers afresh; until then nothing here
+    uses these CPUs. The removal at exit stays registered for a job that never gets here."""
+    global _settled
+    for path in _registered:
+        path.unlink(missing_ok=True)
+    _settled = None  # the next job in this process settles its own share (or none, with its own workers)
 
 
 def count(me: JobRecord, records: list[JobRecord], declared: tuple[int, str] | None = None) -> Sharing:

@@ -144,6 +144,10 @@ def _job(cfg: DictConfig):
             raise JobFailed("; ".join(lines)) from None
         remove_if_half_made(Path(hc.runtime.output_dir), hc.job.name)
         sys.exit(2)
+    finally:
+        from dlpipe import budget_share
+
+        budget_share.leave()  # a sweep may run its next job in this process: it must not count this one
 
 
 def with_overrides(argv: list[str], extra: list[str]) -> list[str]:

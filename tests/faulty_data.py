@@ -139,8 +139,9 @@ class SignalsItself(Dataset):
     num_classes = 3
 
     def __init__(self, marker: str, at: int, size: int = 120, num_features: int = 4, group: bool = False,
-                 noise: float = 0.0):
+                 noise: float = 0.0, global_noise: float = 0.0):
         self.noise = noise  # augmentation: noise from each sample's own generator (dlpipe.sample_rng)
+        self.global_noise = global_noise  # augmentation the plain PyTorch way: torch's global RNG
         g = torch.Generator().manual_seed(0)
         self.y = torch.arange(size) % self.num_classes
         self.x = torch.randn(self.num_classes, num_features, generator=g)[self.y]
@@ -159,6 +160,8 @@ class SignalsItself(Dataset):
                 os.killpg(os.getpgid(0), signal.SIGTERM)
             else:
                 os.kill(os.getpid(), signal.SIGTERM)
+        if self.global_noise:
+            return self.x[i] + self.global_noise * torch.randn(self.x.shape[1]), int(self.y[i])
         if self.noise:
             return self.x[i] + self.noise * torch.randn(self.x.shape[1], generator=sample_generator()), int(self.y[i])
         return self.x[i].clone(), int(self.y[i])

@@ -201,3 +201,36 @@ def test_fetch_modes_runs_and_writes_its_table(tmp_path):
     assert [row[:2] for row in rows[2:]] == [["tabular rows", "0"], ["tokens", "0"]]
     assert "- tabular rows, main process: B/A " in text and "(goal >= 2: " in text
     assert text in r.stdout
+
+
+def test_loader_backends_runs_and_writes_its_report(tmp_path):
+    # A pipeline that gathers whole batches (rows) and one that cannot (JPEG + Python jitter), a grid of 0 and 1
+    # worker, tiny sizes: about 8 s on 2 CPUs. The figures mean nothing; the report's structure is checked.
+    out = tmp_path / "loader_backends.md"
+    r = run(["-m", "benchmarks.loader_backends", "--rounds", "1", "--repeats", "1", "--workers", "1", "--rows", "256",
+             "--images", "32", "--image-size", "16", "--python-ops", "64", "--warmup", "1",
+             "--pipelines", "rows,jpeg+python", "--out", str(out)], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert text in r.stdout
+    # fetch=batch joins the grid only where the dataset gathers: 2 x (0 workers + 1 worker x 4 process + 2 thread)
+    assert "### rows: TabularDataset 256 x 32, batch 64" in text and "grid of 14 configs (fetch item and batch" in text
+    assert "### jpeg+python: " in text and "grid of 7 configs (fetch item only" in text
+    configs = [row for row in table_rows(text) if row[0].startswith(("oracle", "auto", "tune", "PyTorch", "Lightning",
+                                                                     "best"))]
+    assert [row[0].split(":")[0] for row in configs] == [
+        "oracle (best of the grid)", "auto (loader=auto)", "tune (dlpipe tune)", "PyTorch default",
+        "Lightning's suggestion", "best process config", "best thread config"] * 2
+    for row in configs:
+        assert float(row[4]) > 0  # the process tree's peak RSS, in MB
+    oracles, pytorch = configs[0::7], configs[3::7]
+    assert all(row[3] == "1.000" for row in oracles)
+    assert all(row[0] == "PyTorch default: num_workers=0" for row in pytorch)
+    lightning = max(1, len(os.sched_getaffinity(0)) - 1)  # Lightning's formula, one device
+    assert configs[4][0] == (f"Lightning's suggestion: num_workers={lightning} prefetch_factor=2 "
+                             "persistent_workers=false")
+    assert "worker_method=thread" in configs[6][0] and "worker_method=thread" not in configs[5][0]
+    summary = [row[0] for row in table_rows(text.split("### summary")[1])[2:]]
+    assert summary == ["rows", "jpeg+python"]
+    for name in ("rows", "jpeg+python"):
+        assert f"- {name}: auto " in text and "(goal >= 0.97: " in text and "of the grid (goal <= 0.33: " in text

@@ -67,10 +67,12 @@ def logged(client, run) -> dict[str, list[tuple[int, float]]]:
 
 # The main process alone signalled at its 150th fetch (pre-flight and epoch 1 fetch about 110); or, from
 # a persistent worker at its 80th fetch (it fetches 60 or 48 an epoch), the job's whole process group.
+# Or a dataset drawing its augmentation from torch's global RNG, resumed with the same loader (README).
 @pytest.mark.parametrize("how", [["dataset.at=150"],
                                  ["dataset.at=80", "+dataset.group=true", "loader.num_workers=2",
-                                  "loader.persistent_workers=true", "loader.worker_method=process"]],
-                         ids=["main", "group-persistent-workers"])
+                                  "loader.persistent_workers=true", "loader.worker_method=process"],
+                                 ["dataset.at=150", "dataset.size=120", "+dataset.global_noise=0.3"]],
+                         ids=["main", "group-persistent-workers", "main-global-rng"])
 def test_sigterm_mid_epoch_then_resume_logs_every_number_of_a_straight_run(dlpipe, tmp_path, mlflow_store,
                                                                             mlflow_client, how):
     """A real SIGTERM in epoch 2, then the same command: every logged metric that is not a timing or a

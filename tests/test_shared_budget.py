@@ -85,7 +85,7 @@ def jobs(tmp_path):
 
 
 def records(folder: Path) -> set[int]:
-    return {int(p.stem) for p in folder.glob("*.json")}
+    return {int(p.stem.split("-")[0]) for p in folder.glob("*.json")}  # <pid>-<node hash>.json
 
 
 def peek() -> Sharing:
@@ -131,7 +131,7 @@ def test_the_ranks_of_one_job_count_once(jobs):
 def test_a_record_whose_pid_was_reused_is_not_counted(jobs):
     a = jobs.start()
     assert jobs.seen(a) == 1
-    forged = Path(jobs.folder, f"{a.pid}.json")
+    [forged] = Path(jobs.folder).glob(f"{a.pid}-*.json")
     text = forged.read_text()
     started = budget_share.process_started(a.pid)
     forged.write_text(text.replace(f'"started": "{started}"', f'"started": "{int(started) - 1}"'))
@@ -200,6 +200,19 @@ def test_the_decision_divides_the_budget_and_says_between_whom(jobs, monkeypatch
     assert alone.inputs["cpu.sharing_jobs"] == "1"
 
 
+def test_a_job_that_ended_leaves_the_registry_at_once(jobs):
+    """A joblib worker runs its next job in the same process: the ended one must not count meanwhile."""
+    me = budget_share.this_process(hardware.cpu_budget(sharing=Sharing()).cgroup_source, ranks=False)
+    Registry(sharing.jobs_folder()).join(me)
+    assert os.getpid() in records(sharing.jobs_folder())
+    other = jobs.start()
+    assert jobs.seen(other) == 2
+    budget_share.leave()
+    assert records(sharing.jobs_folder()) == {other.pid}
+    second = jobs.start()
+    assert jobs.seen(second) == 2  # itself and `other`: this process's ended job is gone
+
+
 def test_a_registry_that_cannot_be_made_leaves_the_job_alone_with_a_warning(tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -258,8 +271,7 @@ def test_a_run_started_beside_a_running_one_gets_half_the_budget(dlpipe, tmp_pat
     first = subprocess.Popen([sys.executable, "-m", "dlpipe", *slow], cwd=tmp_path, env=dlpipe_env(),
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        record = sharing.jobs_folder() / f"{first.pid}.json"
-        while not record.exists():  # registered once it has resolved its config
+        while not list(sharing.jobs_folder().glob(f"{first.pid}-*.json")):  # registered once it resolved its config
             assert first.poll() is None, first.stderr.read()[-3000:]
             time.sleep(0.1)
         r = dlpipe(*QUICK)

@@ -1,7 +1,9 @@
 """Thread workers (loader.worker_method) and per-sample randomness (dlpipe.sample_rng): the same
 batches whoever fetches them, the same errors and timeout as processes, and the auto choice."""
 
+import ctypes
 import random
+import threading
 import time
 
 import pytest
@@ -12,7 +14,7 @@ from dlpipe.errors import user_message
 from dlpipe.loader.build import build_loader
 from dlpipe.loader.faults import NamedErrors, SampleError, explain_loader_failure
 from dlpipe.loader.threads import ThreadLoader
-from dlpipe.loader.worker_method import THREAD_SCALING_MIN, choose, global_draws
+from dlpipe.loader.worker_method import THREAD_SCALING_MIN, choose, fit, global_draws
 from dlpipe.sample_rng import SampleBatch, sample_generator, sample_seed
 from dlpipe.schema import LoaderConfig
 
@@ -39,14 +41,14 @@ class GlobalNoise(Augments):
         return self.x[i] + random.random(), i
 
 
-class Spins(Augments):
-    """Pure-Python work that holds the GIL: threads cannot run it side by side."""
+class HoldsTheGIL(Augments):
+    """A C call that keeps the GIL while it works (here it waits 2 ms: ctypes.PyDLL does not release
+    the GIL), as pure-Python augmentation or a GIL-holding extension does: threads cannot overlap it.
+    Waiting, not computing, so a loaded machine does not blur the measurement."""
 
     def __getitem__(self, i):
-        total = 0
-        for k in range(40_000):
-            total += k * k
-        return self.x[i] + (total % 7), i
+        ctypes.PyDLL(None).usleep(2000)
+        return super().__getitem__(i)
 
 
 class FailsAt(Augments):
@@ -117,14 +119,61 @@ def test_validation_draws_the_same_every_epoch_whoever_fetches():
     assert same(batches[1], batches[0]) and same(batches[2], batches[0])
 
 
-def test_a_failing_item_is_named_from_a_thread_as_from_a_process():
+@pytest.mark.parametrize("threads", [dict(), dict(prefetch_factor=3), dict(timeout=5.0)],
+                         ids=["plain", "prefetcher", "timeout-relay"])
+def test_a_failing_item_is_named_from_a_thread_as_from_a_process(threads):
+    """Through torchdata's Prefetcher thread or the timeout relay too, the error names the worker."""
     errors = []
-    for variant in (dict(num_workers=2), dict(num_workers=2, worker_method="thread")):
+    for variant in (dict(num_workers=2), dict(num_workers=2, worker_method="thread", **threads)):
         with pytest.raises(SampleError) as caught:
             list(plan_of(FailsAt(), shuffle=False, **variant).loader)
         errors.append(user_message(caught.value))
     assert errors[0][0].startswith("dataset item 13: ValueError: corrupt record (DataLoader worker process")
     assert errors[1] == ["dataset item 13: ValueError: corrupt record (a DataLoader worker thread)"]
+
+
+def loader_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if "_apply_udf" in t.name or t.name == "dlpipe-loader-relay"}
+
+
+def left_behind(before: set, deadline_s=10.0) -> set[str]:
+    """Loader threads started since `before` still alive once they are gone, or after `deadline_s`
+    (they poll every 0.1 s)."""
+    ends = time.monotonic() + deadline_s
+    while loader_threads() - before and time.monotonic() < ends:
+        time.sleep(0.05)
+    return {t.name for t in loader_threads() - before}
+
+
+@pytest.mark.parametrize("timeout", [0.0, 5.0])
+def test_an_epoch_left_early_leaves_no_thread_behind(timeout):
+    """Stopped one batch short (limit_train_batches): with the timeout relay, which had the last batch
+    in hand, too; by dropping the epoch, and by shutdown() while it is still held."""
+    before = loader_threads()
+    plan = plan_of(Augments(size=64), num_workers=2, worker_method="thread", timeout=timeout, shuffle=False)
+    epoch = iter(plan.loader)
+    for _ in range(len(plan.loader) - 1):
+        next(epoch)
+    assert loader_threads() - before
+    del epoch
+    assert left_behind(before) == set()
+    held = iter(plan.loader)
+    next(held)
+    plan.loader.shutdown()
+    assert left_behind(before) == set()
+
+
+class KeepsATable(Augments):
+    """Keeps its own data in a `dataset` attribute that has a __getitems__ (as a Hugging Face table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dataset = Subset(list(range(48)), range(48))
+
+
+def test_a_dataset_attribute_of_the_users_own_is_not_taken_for_a_wrapper():
+    reference = epochs_of(plan_of(Augments()))
+    assert same(epochs_of(plan_of(KeepsATable(), num_workers=2, worker_method="thread")), reference)
 
 
 def test_the_timeout_holds_for_threads_with_pytorchs_message():
@@ -156,18 +205,32 @@ def test_every_prefetch_factor_delivers_every_batch_in_order(prefetch):
 
 
 def test_auto_picks_threads_where_they_scale_and_processes_where_they_cannot():
-    """Sleeping items (I/O: the GIL released) scale with threads; pure-Python items do not; a dataset
+    """Sleeping items (I/O: the GIL released) scale with threads; items holding the GIL do not; a dataset
     drawing from a global RNG never gets threads; a /dev/shm too small for processes gets them anyway."""
     wrap = lambda d: NamedErrors(Subset(d, range(len(d))))  # noqa: E731 - as training builds it
     method, why = choose(wrap(Augments(size=64, delay_s=0.01)), 2, 8, None, shm_too_small=False)
     assert method == "thread", why
     assert why.startswith("2 threads fetched ") and "as fast as one (the dataset releases the GIL)" in why
-    method, why = choose(wrap(Spins(size=32)), 2, 8, None, shm_too_small=False)
+    method, why = choose(wrap(HoldsTheGIL(size=64)), 2, 8, None, shm_too_small=False)
     assert method == "process", why
     assert f"under {THREAD_SCALING_MIN:g} x 2 (the dataset holds the GIL)" in why
     method, why = choose(wrap(GlobalNoise()), 2, 8, None, shm_too_small=False)
     assert (method, why.split(" while")[0]) == ("process", "the dataset draws from the global random RNG")
     assert choose(wrap(GlobalNoise()), 2, 8, None, shm_too_small=True)[0] == "thread"
+
+
+def test_the_automatic_decision_leaves_every_global_stream_as_it_was():
+    """fit() fetches items (estimates, probes) in the main process: the run's streams must not move."""
+    raw = {"persistent_workers": "${auto_persistent:${.num_workers},${trainer.epochs},0}"}
+    for dataset in (Augments(), GlobalNoise()):
+        torch.manual_seed(1)
+        random.seed(1)
+        expected = (torch.rand(2), random.random())
+        torch.manual_seed(1)
+        random.seed(1)
+        fit(LoaderConfig(num_workers=2, batch_size=8, persistent_workers=True), raw,
+            NamedErrors(Subset(dataset, range(48))), None, {})
+        assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
 
 
 def test_the_rng_probe_leaves_every_global_stream_as_it_was():

@@ -20,6 +20,8 @@ class NamedErrors(Dataset):
     """Wraps a dataset so an exception in __getitem__ names the sample index and, for datasets
     with a `samples` list of (path, label) like the image folder, the file."""
 
+    dlpipe_wrapper = True  # dlpipe.loader.fetch.unwrapped() looks through it
+
     def __init__(self, dataset: Dataset):
         from dlpipe.loader.fetch import unwrapped
 

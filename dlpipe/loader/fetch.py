@@ -17,7 +17,7 @@ BatchSampler, so order, drop_last, resume and sharding are those of the per-item
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.utils.data import BatchSampler, Dataset, default_collate
+from torch.utils.data import BatchSampler, Dataset, Subset, default_collate
 
 from dlpipe.errors import ConfigError
 from dlpipe.sample_rng import SampleBatch
@@ -37,6 +37,8 @@ class BatchGather(Dataset):
     """`dataset` seen one batch at a time: item `indices` (a list) is the collated batch, from one
     gather (`how`, a key of GATHERS) or, with `how` None, from the items and `item_collate` (thread
     workers fetch either way). `item_collate` is the collate the batches equal (None: default_collate)."""
+
+    dlpipe_wrapper = True  # unwrapped() looks through it
 
     def __init__(self, dataset: Dataset, how: str | None, item_collate: Callable | None = None):
         self.dataset, self.how, self.item_collate = dataset, how, item_collate
@@ -98,8 +100,9 @@ def gather_for(dataset: Dataset, fetch: str, collate_fn: Callable | None) -> str
 
 
 def unwrapped(dataset: Dataset) -> Dataset:
-    """The user's dataset inside dlpipe's wrappers and the train/validation Subsets."""
-    while hasattr(dataset, "dataset"):
+    """The user's dataset inside dlpipe's wrappers and the train/validation Subsets. Only those: a
+    user's dataset may keep something of its own in a `dataset` attribute (a Hugging Face table)."""
+    while isinstance(dataset, Subset) or getattr(type(dataset), "dlpipe_wrapper", False):
         dataset = dataset.dataset
     return dataset
 

@@ -16,6 +16,7 @@ reproducible with threads (loader.worker_method=auto never picks threads for one
 
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 
 from torch._utils import ExceptionWrapper
@@ -47,22 +48,25 @@ class ThreadLoader:
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.pin_memory, self.timeout, self.generator = pin_memory, timeout, generator
         self.collate_fn = None
-        self._epoch: Iterator | None = None
+        self._epoch: weakref.ref | None = None
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator:
         node = self._pipeline()
-        self._epoch = _with_timeout(node, self.timeout) if self.timeout else _unwrap_errors(node)
-        return self._epoch
+        epoch = _with_timeout(node, self.timeout) if self.timeout else _unwrap_errors(node)
+        # Weak: an epoch the runner drops (limit_train_batches, a stop) takes its graph with it, and
+        # the graph's threads end within torchdata's 0.1 s poll instead of idling through validation.
+        self._epoch = weakref.ref(epoch)
+        return epoch
 
     def shutdown(self) -> None:
-        """Stop the threads of an epoch left unfinished (a stop, limit_train_batches) now: closing its
-        iterator drops the graph, whose threads then end within torchdata's 0.1 s poll."""
-        if self._epoch is not None:
-            self._epoch.close()
-            self._epoch = None
+        """Stop the threads of an epoch still held somewhere now: closing its iterator drops the graph."""
+        epoch = self._epoch() if self._epoch is not None else None
+        if epoch is not None:
+            epoch.close()
+        self._epoch = None
 
     def _pipeline(self):
         """The epoch's torchdata.nodes graph: batches of indices -> threads -> (pinning) -> prefetch.
@@ -81,9 +85,18 @@ class ThreadLoader:
         return node
 
 
+class _Failed:
+    """A batch that raised in a worker thread, carried to the consumer as an ordinary item: a real
+    ExceptionWrapper would be raised again, and re-wrapped, by torchdata's own Prefetcher or
+    PinMemory thread on its way, and name that thread instead of the worker."""
+
+    def __init__(self, wrapper: ExceptionWrapper):
+        self.wrapper = wrapper
+
+
 class _Fetch:
-    """The map function: a batch of indices -> the batch, or the exception wrapped with where it
-    happened (torchdata's own wrapper would say "in _apply_udf"; PyTorch's says which worker)."""
+    """The map function: a batch of indices -> the batch, or _Failed naming where it happened
+    (torchdata's own wrapper would say "in _apply_udf"; PyTorch's says which worker)."""
 
     def __init__(self, gather: BatchGather):
         self.gather = gather
@@ -92,36 +105,40 @@ class _Fetch:
         try:
             return self.gather[indices]
         except Exception:  # noqa: BLE001 - handed to the main thread, which raises it (_unwrap_errors)
-            return ExceptionWrapper(where="in a DataLoader worker thread")
+            return _Failed(ExceptionWrapper(where="in a DataLoader worker thread"))
 
 
 def _unwrap_errors(node) -> Iterator:
     for batch in node:
-        if isinstance(batch, ExceptionWrapper):
-            batch.reraise()
+        if isinstance(batch, _Failed):
+            batch.wrapper.reraise()
         yield batch
 
 
 def _with_timeout(node, timeout: float) -> Iterator:
     """The batches of `node`, raising PyTorch's own timeout error when none arrives within `timeout`
-    seconds. A relay thread consumes the graph: the graph's own next() waits without a deadline."""
+    seconds. A relay thread consumes the graph: the graph's own next() waits without a deadline.
+    Every hand-over gives up once the consumer has gone, so an epoch left early leaves no thread."""
     handed: queue.Queue = queue.Queue(maxsize=1)
     stop = threading.Event()
+
+    def hand_over(item) -> bool:
+        while not stop.is_set():
+            try:
+                handed.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def relay():
         try:
             for batch in node:
-                while not stop.is_set():
-                    try:
-                        handed.put(batch, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not hand_over(batch):
                     return
-            handed.put(_END)
+            hand_over(_END)
         except BaseException:  # noqa: BLE001 - raised again in the consuming thread
-            handed.put(ExceptionWrapper(where="in the DataLoader's thread relay"))
+            hand_over(_Failed(ExceptionWrapper(where="in the DataLoader's thread relay")))
 
     thread = threading.Thread(target=relay, name="dlpipe-loader-relay", daemon=True)
     thread.start()
@@ -133,8 +150,8 @@ def _with_timeout(node, timeout: float) -> Iterator:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from None
             if batch is _END:
                 return
-            if isinstance(batch, ExceptionWrapper):
-                batch.reraise()
+            if isinstance(batch, _Failed):
+                batch.wrapper.reraise()
             yield batch
     finally:
         stop.set()

@@ -9,7 +9,6 @@ bus error, so threads are taken anyway; on a free-threaded Python there is no GI
 """
 
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,9 +28,10 @@ THREAD_SCALING_MIN = 0.75
 """Threads are taken when N of them fetch at least 0.75 x N times as fast as one: about what N worker
 processes reach after their pickling and hand-over (2 threads on JPEG decode reached 0.94 of 2
 processes), and halfway between a dataset that holds the GIL (1x) and one that releases it (N x)."""
-PROBE_SERIAL_S = 0.1
-"""About how long each round fetches in this thread before it times N threads on the same batches."""
-PROBE_ROUNDS = 3
+PROBE_SERIAL_S = 0.25
+"""About how long each round fetches in this thread before it times N threads on the same items:
+long enough that the threads' start-up (10-20 ms) costs them a tenth at most."""
+PROBE_ROUNDS = 2
 RNG_PROBE_ITEMS = 4
 
 
@@ -43,11 +43,16 @@ def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: 
         return replace(loader, worker_method="process")  # no workers: nothing to decide, PyTorch's default
     from dlpipe.hardware import shm_free_bytes
     from dlpipe.loader.build import batch_bytes
+    from dlpipe.training import rng
 
-    inflight = policy.inflight_bytes(loader.num_workers, loader.prefetch_factor,
-                                     batch_bytes(train_set, loader.batch_size, collate_fn))
-    method, why = choose(train_set, loader.num_workers, loader.batch_size, collate_fn,
-                         policy.shm_overflow(inflight, shm_free_bytes()))
+    state = rng.capture()  # every fetch below may draw: the run's streams stay as they were
+    try:
+        inflight = policy.inflight_bytes(loader.num_workers, loader.prefetch_factor,
+                                         batch_bytes(train_set, loader.batch_size, collate_fn))
+        method, why = choose(train_set, loader.num_workers, loader.batch_size, collate_fn,
+                             policy.shm_overflow(inflight, shm_free_bytes()))
+    finally:
+        rng.restore(state)
     loader = replace(loader, worker_method=method)
     reasons["loader.worker_method"] = f"{method} (auto: {why})"
     if method == "thread" and loader.persistent_workers and policy.is_auto(raw_loader["persistent_workers"],
@@ -92,37 +97,39 @@ def global_draws(dataset: Dataset) -> str | None:
 
 
 def thread_speedup(dataset: Dataset, num_workers: int, batch_size: int, collate_fn: Callable | None) -> float:
-    """Time to fetch some batches in this thread / time for `num_workers` threads (ThreadLoader, the
+    """Time to fetch some items in this thread / time for `num_workers` threads (ThreadLoader, the
     loader training would use) to fetch the same ones. In this thread, not in one worker thread: a
     lone worker that holds the GIL makes the pipeline's own threads wait for it, which would flatter
-    N of them."""
+    N of them. The probe's batches are sized by time, not by batch_size: about PROBE_SERIAL_S of
+    items a round (1 to 4 batches per worker, one item each at least), PROBE_ROUNDS rounds unless a
+    round takes over a second; the best round of each side is kept (a descheduled one is only slower)."""
     gather = BatchGather(dataset, None, collate_fn)
     n = len(dataset)  # type: ignore[arg-type]
-    size = min(batch_size, n)
     started = time.perf_counter()
-    gather[SampleBatch(range(size), 0)]
-    one = max(time.perf_counter() - started, 1e-6)
-    count = num_workers * max(2, min(4, int(PROBE_SERIAL_S / (num_workers * one))))
+    gather[SampleBatch([0], 0)]
+    item = max(time.perf_counter() - started, 1e-7)
+    per_worker = max(1, min(4, int(PROBE_SERIAL_S / (num_workers * item))))  # slow items: fewer, 1 at least
+    count = per_worker * num_workers
+    size = max(1, min(batch_size, n, int(PROBE_SERIAL_S / (count * item))))
     batches = [SampleBatch([(b * size + i) % n for i in range(size)], 0) for b in range(count)]
-    state = _states()
-    try:
-        ratios = []
-        for _ in range(PROBE_ROUNDS):  # interleaved, the median: one descheduled round must not decide
-            started = time.perf_counter()
-            for batch in batches:
-                gather[batch]
-            serial = time.perf_counter() - started
-            parallel = _time(ThreadLoader(gather, batches, num_workers=num_workers, prefetch_factor=2,
-                                          pin_memory=False, timeout=0, generator=None))
-            ratios.append(serial / max(parallel, 1e-9))
-    finally:
-        _restore(state)
-    return statistics.median(ratios)
+    rounds = PROBE_ROUNDS if count * size * item <= 4 * PROBE_SERIAL_S else 1  # a round of a second is steady
+    serial, parallel = [], []
+    for _ in range(rounds):  # interleaved
+        started = time.perf_counter()
+        for batch in batches:
+            gather[batch]
+        serial.append(time.perf_counter() - started)
+        parallel.append(_time(ThreadLoader(gather, batches, num_workers=num_workers, prefetch_factor=2,
+                                           pin_memory=False, timeout=0, generator=None)))
+    return min(serial) / max(min(parallel), 1e-9)
 
 
 def _time(loader: ThreadLoader) -> float:
-    """Seconds from starting the threads to the last batch, not to the end of the stream: torchdata
-    polls for that every 0.1 s, which an epoch pays once but would swamp a probe this short."""
+    """Seconds from starting the threads to the last batch, start-up included (torchdata sleeps 10 ms,
+    then starts its threads: a tenth of a probe round, which only errs towards processes). Measured
+    from the consumer's side only once it is over: a GIL-holding dataset starves the consumer, which
+    would see batches arrive in a burst. Not to the end of the stream, which torchdata polls every
+    0.1 s (an epoch pays that once)."""
     started = time.perf_counter()
     batches = iter(loader)
     for _ in range(len(loader)):

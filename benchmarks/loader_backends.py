@@ -1,0 +1,341 @@
+"""Loader backends: loader=auto, `dlpipe tune`, PyTorch's default and Lightning's suggestion against
+the best of an exhaustive grid over fetch x worker_method x num_workers x prefetch x persistence.
+
+    python -m benchmarks.loader_backends --rounds 3 [--out loader_backends.md]
+
+Four pipelines, each wrapped in NamedErrors as training wraps its split:
+- rows: `TabularDataset`, 50,000 x 32 floats, batch 64 (in memory: a gather per batch is possible);
+- tokens: `TokenSequenceDataset`, fixed-length sequences, batch 64 (the same);
+- jpeg: `SyntheticJPEGDataset(augment=False)`, decode and centre crop, batch 32 (PIL releases the GIL);
+- jpeg+python: the same items, then a brightness/contrast jitter written as a pure-Python loop over the
+  crop's values (holds the GIL), drawn from `dlpipe.sample_rng.sample_generator()`.
+
+Per pipeline:
+1. auto: the settings loader=auto gives here (`recommended_workers` of the CPU budget, then
+   `dlpipe.tasks.build.fit_loader_to_data` with fetch=auto and worker_method=auto, as a job runs it);
+2. tune: `dlpipe.loader.search.Search` from auto, its evaluate() as `dlpipe tune`'s (memory guard,
+   `measure_candidate` with bench.repeats measurements and a resource sampler), no MLflow; its wall time;
+3. the grid: fetch (batch only where `find_gather` finds a gather) x num_workers 0 and `--workers` x
+   worker_method process (prefetch 2,4 x persistent true,false) and thread (prefetch 2,4), plus auto's
+   and tune's picks where outside it. Every round measures every config once, in a new shuffled order;
+   figures are medians over rounds, and every ratio is between medians of this one run. A measurement
+   runs `--measure-epochs` of the pipeline's epoch after the warm-up, so it crosses an epoch boundary
+   (where non-persistent workers restart). Peak RSS is the whole process tree's (main + workers,
+   psutil, dlpipe's ResourceSampler; shared pages count once per process).
+Goals (printed as met or not, never the exit status): auto >= 0.9x the oracle, tune >= 0.97x at <= 1/3
+of the grid's time (the grid at tune's measurements per config), and where auto or tune picks thread
+workers, their peak RSS >= 20% below the best process config's.
+"""
+
+import argparse
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+if not __package__:  # run as `python benchmarks/loader_backends.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
+from benchmarks.common import finish  # noqa: E402
+from dlpipe import hardware  # noqa: E402
+from dlpipe.config import decisions  # noqa: E402
+from dlpipe.loader.build import batch_bytes  # noqa: E402
+from dlpipe.loader.faults import NamedErrors  # noqa: E402
+from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard  # noqa: E402
+from dlpipe.sample_rng import sample_generator  # noqa: E402
+from dlpipe.schema import BenchConfig, LoaderConfig  # noqa: E402
+from dlpipe.tasks.build import fit_loader_to_data  # noqa: E402
+from dlpipe.tasks.tune import automatic_persistence, dataset_options  # noqa: E402
+from dlpipe.telemetry.sampler import ResourceSampler  # noqa: E402
+
+GOALS = {"auto": 0.9, "tune": 0.97, "cost": 1 / 3, "thread_rss": 0.8}
+EPOCHS = 3  # what the automatic persistence decision is told the run trains for
+PIPELINES = ("rows", "tokens", "jpeg", "jpeg+python")
+# conf/loader/auto.yaml's values before interpolation: what fit_loader_to_data reads to tell automatic from set.
+AUTO_RAW = {"num_workers": "${auto_workers:}", "pin_memory": "${cuda_available:}",
+            "prefetch_factor": "${auto_prefetch:${.num_workers}}",
+            "persistent_workers": "${auto_persistent:${.num_workers},${trainer.epochs},0}",
+            "fetch": "auto", "worker_method": "auto"}
+
+
+def lightning_workers(devices: int = 1) -> int:
+    # Lightning 2.x's suggested_max_num_workers (lightning/fabric/utilities/data.py), the count its
+    # _worker_check (trainer/connectors/data_connector.py) names in "Consider increasing num_workers":
+    return max(1, len(os.sched_getaffinity(0)) // devices - 1)
+
+
+class PythonAugmented(Dataset):
+    """A dataset's image, then a brightness/contrast jitter over up to `ops` of its values in a
+    pure-Python loop (it holds the GIL), its two draws from the sample's own generator."""
+
+    def __init__(self, dataset: Dataset, ops: int):
+        self.dataset, self.ops = dataset, ops
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        image, label = self.dataset[index]
+        gain, bias = (torch.rand(2, generator=sample_generator()) * 0.4 - 0.2).tolist()
+        flat = image.view(-1)
+        n = min(self.ops, flat.numel())
+        flat[:n] = torch.tensor([min(max(v * (1 + gain) + bias, -3.0), 3.0) for v in flat[:n].tolist()])
+        return image, label
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3, help="rounds over the whole grid (default 3)")
+    p.add_argument("--repeats", type=int, default=BenchConfig.repeats,
+                   help=f"tune's measurements per candidate (default {BenchConfig.repeats}, bench.repeats)")
+    p.add_argument("--measure-epochs", type=float, default=1.1,
+                   help="batches measured per measurement, in epochs of the pipeline (default 1.1)")
+    p.add_argument("--warmup", type=int, default=4, help="warm-up batches per measurement (default 4)")
+    p.add_argument("--workers", default="1,2,3,4", help="the grid's worker counts besides 0 (default 1,2,3,4)")
+    p.add_argument("--rows", type=int, default=50000, help="rows of 32 floats (default 50000)")
+    p.add_argument("--tokens", type=int, default=8192, help="token sequences of 64 (default 8192)")
+    p.add_argument("--images", type=int, default=640, help="JPEG images (default 640: 20 batches of 32)")
+    p.add_argument("--image-size", type=int, default=48, help="stored JPEG side in pixels (default 48)")
+    p.add_argument("--python-ops", type=int, default=1024,
+                   help="values the Python jitter touches per item (default 1024)")
+    p.add_argument("--pipelines", default=",".join(PIPELINES), help=f"some of {','.join(PIPELINES)} (default all)")
+    p.add_argument("--sample-interval", type=float, default=0.1, help="RSS sampling interval in s (default 0.1)")
+    p.add_argument("--out", type=Path, help="also write the markdown report to this file")
+    args = p.parse_args(argv)
+    for name in ("rounds", "repeats", "warmup", "rows", "tokens", "images", "image_size", "python_ops"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if args.measure_epochs <= 0 or args.sample_interval <= 0:
+        p.error("--measure-epochs and --sample-interval must be > 0")
+    try:
+        args.worker_counts = sorted({int(w) for w in args.workers.split(",")})
+    except ValueError:
+        p.error(f"--workers={args.workers}: comma-separated counts, e.g. 1,2,3,4")
+    if any(w < 1 for w in args.worker_counts):
+        p.error(f"--workers={args.workers}: counts must be >= 1 (0 is always in the grid)")
+    args.chosen = [n.strip() for n in args.pipelines.split(",") if n.strip()]
+    if not args.chosen or set(args.chosen) - set(PIPELINES):
+        p.error(f"--pipelines={args.pipelines}: choose from {','.join(PIPELINES)}")
+    return args
+
+
+def build(name: str, args) -> tuple[Dataset, int, str]:
+    """(the pipeline's dataset wrapped as training wraps it, batch size, description)."""
+    from dlpipe.data.sequences import TokenSequenceDataset
+    from dlpipe.data.tabular import TabularDataset
+    from dlpipe.data.vision import SyntheticJPEGDataset
+
+    crop = max(args.image_size * 5 // 6, 1)
+    if name == "rows":
+        return NamedErrors(TabularDataset(size=args.rows, num_features=32)), 64, f"TabularDataset {args.rows} x 32"
+    if name == "tokens":
+        return NamedErrors(TokenSequenceDataset(size=args.tokens, seq_len=64)), 64, \
+            f"TokenSequenceDataset {args.tokens} x 64 tokens"
+    jpeg = SyntheticJPEGDataset(size=args.images, image_size=args.image_size, crop_size=crop, augment=False)
+    what = f"SyntheticJPEGDataset {args.images} images of {args.image_size} px, centre crop {crop}"
+    if name == "jpeg":
+        return NamedErrors(jpeg), 32, what
+    return NamedErrors(PythonAugmented(jpeg, args.python_ops)), 32, f"{what}, Python jitter on {args.python_ops} values"
+
+
+def grid(gathers: bool, worker_counts: list[int]) -> list[Candidate]:
+    out = []
+    for fetch in ("item", "batch") if gathers else ("item",):
+        out.append(Candidate(0, None, False, False, fetch))
+        for n in worker_counts:
+            out += [Candidate(n, p, keep, False, fetch, "process") for p in (2, 4) for keep in (True, False)]
+            out += [Candidate(n, p, False, False, fetch, "thread") for p in (2, 4)]
+    return out
+
+
+def automatic(dataset, batch: int, budget: int) -> tuple[Candidate, dict[str, str]]:
+    """loader=auto here: the resolvers' values, then fitted to the built data like a job's."""
+    workers = hardware.recommended_workers(budget)
+    asked = LoaderConfig(batch_size=batch, num_workers=workers, prefetch_factor=decisions.prefetch(workers).value,
+                         persistent_workers=decisions.persistent(workers, EPOCHS, len(dataset), batch).value,
+                         fetch="auto", worker_method="auto")
+    fitted, reasons = fit_loader_to_data(AUTO_RAW, asked, EPOCHS, dataset)
+    n = fitted.num_workers
+    return Candidate(n, fitted.prefetch_factor if n else None, fitted.persistent_workers, False, fitted.fetch,
+                     fitted.worker_method), reasons
+
+
+@dataclass
+class Run:
+    """One pipeline's measurements: per config, samples/s, seconds and tree peak RSS MB per round."""
+
+    rates: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+    rss: dict = field(default_factory=dict)
+
+    def add(self, c: Candidate, trial: Trial, seconds: float) -> None:
+        self.rates.setdefault(c, []).append(trial.runs[0])
+        self.seconds.setdefault(c, []).append(seconds)
+        self.rss.setdefault(c, []).append(trial.metrics.get("tree_rss_peak_mb", math.nan))
+
+    def median(self, c: Candidate) -> float:
+        return statistics.median(self.rates[c])
+
+
+def run_pipeline(name: str, args, budget: int, sampler: ResourceSampler) -> tuple[list[str], dict]:
+    dataset, batch, what = build(name, args)
+    per_epoch = math.ceil(len(dataset) / batch)
+    batches = max(1, math.ceil(args.measure_epochs * per_epoch))
+    settings = {"batch_size": batch, "shuffle": True, "drop_last": False, "timeout": 0.0,
+                "multiprocessing_context": None, "collate_fn": None}
+
+    def measure(c: Candidate, repeats: int) -> Trial:
+        return measure_candidate(c, dataset, settings, batches, args.warmup, repeats, seed=0, cuda=False,
+                                 sampler=sampler)
+
+    started = time.perf_counter()
+    auto, reasons = automatic(dataset, batch, budget)
+    auto_s = time.perf_counter() - started
+    cfg = SimpleNamespace(loader=LoaderConfig(batch_size=batch), trainer=SimpleNamespace(epochs=EPOCHS))
+    options = dataset_options(cfg, dataset)
+    tuned, search, tune_s = tune(measure, auto, dataset, batch, args, budget, cfg, options,
+                                 crosses=args.warmup + batches > per_epoch)
+    configs = grid(options["gathers"], args.worker_counts)
+    pytorch, lightning = Candidate(0, None, False, False), Candidate(lightning_workers(), 2, False, False)
+    extras = [c for c in dict.fromkeys((auto, tuned, pytorch, lightning)) if c not in configs]
+    run, order = Run(), random.Random(0)
+    for i in range(args.rounds):
+        todo = configs + extras
+        order.shuffle(todo)
+        for c in todo:
+            t = time.perf_counter()
+            trial = measure(c, 1)
+            run.add(c, trial, time.perf_counter() - t)
+        print(f"{name}: round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    head = (f"### {name}: {what}, batch {batch}",
+            f"{per_epoch} batches an epoch; {batches} measured after {args.warmup} warm-up; grid of {len(configs)} "
+            f"configs (fetch {'item and batch' if options['gathers'] else 'item only: no gather equals its collate'}"
+            f"; tune {'may try threads' if options['tune_threads'] else 'never tries threads: global RNG draws'}).")
+    return report_pipeline(name, head, run, configs, {"auto": auto, "tune": tuned, "pytorch": pytorch,
+                                                       "lightning": lightning},
+                           {"auto_s": auto_s, "tune_s": tune_s, "trials": len(search.trials), "reasons": reasons,
+                            "repeats": args.repeats})
+
+
+def tune(measure, start: Candidate, dataset, batch: int, args, budget: int, cfg, options: dict, crosses: bool):
+    """`dlpipe tune`'s search from `start`, its evaluate() as tune's evaluator (without MLflow and the
+    measurements journal). Returns (the winner, the search, its wall seconds)."""
+    bytes_per_batch = batch_bytes(dataset, batch)
+    worker_rss = [0.0]  # the largest per-worker RSS so far, for the memory guard
+
+    def evaluate(c: Candidate) -> Trial:
+        why = memory_guard(c, bytes_per_batch, hardware.shm_free_bytes(), hardware.memory_available_bytes(),
+                           worker_rss[0])
+        if why:
+            return Trial(c, skipped=why)
+        trial = measure(c, args.repeats)
+        worker_rss[0] = max(worker_rss[0], trial.metrics.get("worker_rss_mean_mb", 0.0) * 2**20)
+        return trial
+
+    started = time.perf_counter()
+    search = Search(evaluate, BenchConfig.min_gain, budget + max(2, budget // 2),
+                    tune_persistent=crosses and EPOCHS > 1, tune_pin=False,
+                    seed_workers=hardware.recommended_workers(budget),
+                    persist=automatic_persistence({"loader": AUTO_RAW}, cfg, len(dataset)), **options)
+    best = search.run(start)
+    return best, search, time.perf_counter() - started
+
+
+def report_pipeline(name: str, head: tuple[str, str], run: Run, configs: list[Candidate], picks: dict,
+                    facts: dict) -> tuple[list[str], dict]:
+    """The pipeline's section and its figures for the goals and the summary."""
+    oracle = max(configs, key=run.median)
+    processes = [c for c in configs if c.num_workers and c.worker_method == "process"]
+    threads = [c for c in configs if c.num_workers and c.worker_method == "thread"]
+    best_process = max(processes, key=run.median) if processes else None
+    best_thread = max(threads, key=run.median) if threads else None
+    rss = {c: statistics.median(v) for c, v in run.rss.items()}
+    rows = [("oracle (best of the grid)", oracle), ("auto (loader=auto)", picks["auto"]),
+            ("tune (dlpipe tune)", picks["tune"]), ("PyTorch default", picks["pytorch"]),
+            ("Lightning's suggestion", picks["lightning"]), ("best process config", best_process),
+            ("best thread config", best_thread)]
+    lines = [head[0], "", head[1], "", "| config | samples/s median | min-max | / oracle | peak RSS MB (tree) |",
+             "|---|---|---|---|---|"]
+    for label, c in rows:
+        if c is None:
+            lines.append(f"| {label}: none in the grid | - | - | - | - |")
+            continue
+        v = run.rates[c]
+        lines.append(f"| {label}: {c.label()} | {run.median(c):.0f} | {min(v):.0f}-{max(v):.0f} | "
+                     f"{run.median(c) / run.median(oracle):.3f} | {rss[c]:.0f} |")
+    grid_pass = sum(statistics.median(run.seconds[c]) for c in configs)
+    grid_cost = grid_pass * facts["repeats"]
+    measured = sum(sum(run.seconds[c]) for c in configs)
+    lines += ["", f"auto decided in {facts['auto_s']:.2f} s: " + "; ".join(f"{k}={v}" for k, v in
+                                                                         facts["reasons"].items()) + ".",
+              f"tune: {facts['trials']} candidates x {facts['repeats']} measurements in {facts['tune_s']:.1f} s; the "
+              f"grid: {grid_pass:.1f} s a pass, {grid_cost:.1f} s at tune's {facts['repeats']} measurements per config "
+              f"(tune / grid {facts['tune_s'] / grid_cost:.2f}); all rounds of the grid in this run: {measured:.1f} s.",
+              ""]
+    ratio = {k: run.median(c) / run.median(oracle) for k, c in picks.items()}
+    thread_rss = {k: rss[c] / rss[best_process] for k, c in picks.items()
+                  if k in ("auto", "tune") and c.worker_method == "thread" and best_process}
+    result = {"name": name, "oracle": oracle.label(), "ratio": ratio, "cost": facts["tune_s"] / grid_cost,
+              "thread_rss": thread_rss, "best_rss": (rss[best_thread] if best_thread else math.nan,
+                                                    rss[best_process] if best_process else math.nan),
+              "picks": {k: c.label() for k, c in picks.items()}}
+    return lines, result
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
+def verdict(r: dict) -> str:
+    a, t, cost = r["ratio"]["auto"], r["ratio"]["tune"], r["cost"]
+    threads = "; ".join(f"{k} picked threads at {v:.2f}x the best process config's RSS (goal <= "
+                        f"{GOALS['thread_rss']}: {met(v <= GOALS['thread_rss'])})" for k, v in r["thread_rss"].items())
+    return (f"{r['name']}: auto {a:.3f} (goal >= {GOALS['auto']}: {met(a >= GOALS['auto'])}), tune {t:.3f} "
+            f"(goal >= {GOALS['tune']}: {met(t >= GOALS['tune'])}), tune cost {cost:.2f} of the grid (goal <= 0.33: "
+            f"{met(cost <= GOALS['cost'])}); " + (threads or "threads picked by neither auto nor tune (no RSS goal)"))
+
+
+def summary(results: list[dict]) -> list[str]:
+    lines = ["| pipeline | oracle | auto / oracle | tune / oracle | PyTorch default / oracle | Lightning / oracle "
+             "| tune time / grid | peak RSS MB, best thread / best process config |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        q = r["ratio"]
+        lines.append(f"| {r['name']} | {r['oracle']} | {q['auto']:.3f} | {q['tune']:.3f} | {q['pytorch']:.3f} | "
+                     f"{q['lightning']:.3f} | {r['cost']:.2f} | {r['best_rss'][0]:.0f} / {r['best_rss'][1]:.0f} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    budget = hardware.cpu_budget().budget
+    sampler = ResourceSampler(args.sample_interval, budget).start()
+    report = ["# loader backends", "",
+              f"{platform.machine()}, {os.cpu_count()} CPUs, dlpipe CPU budget {budget}, torch {torch.__version__}, "
+              f"Python {platform.python_version()}; {args.rounds} rounds over every config in a shuffled order, "
+              f"medians; tune {args.repeats} measurements per candidate; auto decided for {EPOCHS} epochs. Configs "
+              "fetch item by item unless they say fetch=batch.", ""]
+    results = []
+    try:
+        for name in args.chosen:
+            lines, result = run_pipeline(name, args, budget, sampler)
+            report += lines
+            results.append(result)
+    finally:
+        sampler.stop()
+    report += ["### summary", "", *summary(results), "", "Goals:", "", *[f"- {verdict(r)}" for r in results]]
+    return finish("\n".join(report) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
