@@ -20,6 +20,7 @@ from dlpipe.config.paths import conf_dir
 from dlpipe.config.resolvers import register_resolvers
 from dlpipe.config.store import register_recipes, register_schemas
 from dlpipe.errors import ConfigError, DlpipeError, user_message
+from dlpipe.help import help_page, version_line
 from dlpipe.stop import Terminated
 from dlpipe.training.distributed import devices_requested, export_submitit_env, ranks_from_env, torchrun_command
 from dlpipe.training.requeue import requeue_through_submitit
@@ -184,16 +185,21 @@ def plan_argv(argv: list[str]) -> list[str]:
 
 def main() -> None:
     """Console-script entry point (`dlpipe ...`, `python -m dlpipe ...`)."""
+    if "--version" in sys.argv[1:]:  # before Hydra, whose own --version names Hydra's
+        print(version_line())
+        sys.exit(0)
     if sys.argv[1:2] == ["sync"]:
         from dlpipe.tasks import sync
 
         sys.exit(sync.main(sys.argv[2:]))
     if sys.argv[1:2] == ["plan"]:
-        sys.argv = plan_argv(sys.argv)
+        sys.argv = with_overrides(plan_argv(sys.argv), help_page("plan", sys.argv[2:]))
     if sys.argv[1:2] in (["bench"], ["tune"], ["eval"]):
         # `dlpipe bench ARGS` is `dlpipe ARGS task=bench`: the same Hydra app, so recipes,
-        # overrides and --multirun work unchanged (last, after any --config-dir option)
-        sys.argv = with_overrides([sys.argv[0], *sys.argv[2:]], [f"task={sys.argv[1]}"])
+        # overrides and --multirun work unchanged (last, after any --config-dir option); with
+        # --help, Hydra prints the command's own page
+        task, args = sys.argv[1], sys.argv[2:]
+        sys.argv = with_overrides([sys.argv[0], *args], [f"task={task}", *help_page(task, args)])
     sys.argv = multirun_first(sys.argv)
     command = torchrun_command(sys.argv[1:], os.environ)
     if command is not None:
@@ -237,6 +243,9 @@ def main() -> None:
         app()
     except JobFailed as e:  # a sweep job's error, already printed when the job ended
         print(f"dlpipe: error: a sweep job failed ({e}); the other jobs ran", file=sys.stderr)
+        sys.exit(1)
+    except BrokenPipeError:  # `dlpipe --help | head`: the reader left, which is no error of the job's folder
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush fails again
         sys.exit(1)
     except Exception as e:
         from dlpipe.tasks.writable import hydra_output_error  # Hydra could not make the output folder

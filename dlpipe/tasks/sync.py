@@ -34,8 +34,24 @@ def outboxes(paths: list[Path]) -> list[Path]:
     return found
 
 
+DESCRIPTION = f"""Deliver what runs kept while their tracking server was away.
+
+A run that ends with its MLflow server unreachable leaves {OUTBOX_FILE} in its output directory:
+metrics, tags, artifacts and its end status, in order. This sends every one found in the given
+directories to the run it belongs to and removes the file; a run left RUNNING on the server gets its
+real end status, and a run whose process was killed is ended KILLED once that process is gone."""
+
+EPILOG = """examples:
+  dlpipe sync outputs/                          every run under outputs/ (a sweep's folder works too)
+  dlpipe sync outputs/DATE/TIME --uri http://127.0.0.1:5000
+
+exit status: 0 all sent (or nothing to send), 1 an outbox not done (each is named), 2 a directory missing.
+Guide: README.md, "Tracking"."""
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dlpipe sync", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dlpipe sync", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", type=Path, help="run (or sweep) output directories")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default 10)")
     parser.add_argument("--uri", help="tracking URI to send to, credentials included (default: the one each "
