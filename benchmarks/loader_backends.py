@@ -223,7 +223,7 @@ def run_pipeline(name: str, args, budget: int, sampler: ResourceSampler) -> tupl
             f"; tune {'may try threads' if options['tune_threads'] else 'never tries threads: global RNG draws'}).")
     return report_pipeline(name, head, run, configs, {"auto": auto, "tune": tuned, "pytorch": pytorch,
                                                        "lightning": lightning},
-                           {"auto_s": auto_s, "tune_s": tune_s, "trials": len(search.trials), "reasons": reasons,
+                           {"auto_s": auto_s, "tune_s": tune_s, "search": search, "reasons": reasons,
                             "repeats": args.repeats})
 
 
@@ -276,12 +276,7 @@ def report_pipeline(name: str, head: tuple[str, str], run: Run, configs: list[Ca
     grid_pass = sum(statistics.median(run.seconds[c]) for c in configs)
     grid_cost = grid_pass * facts["repeats"]
     measured = sum(sum(run.seconds[c]) for c in configs)
-    lines += ["", f"auto decided in {facts['auto_s']:.2f} s: " + "; ".join(f"{k}={v}" for k, v in
-                                                                         facts["reasons"].items()) + ".",
-              f"tune: {facts['trials']} candidates x {facts['repeats']} measurements in {facts['tune_s']:.1f} s; the "
-              f"grid: {grid_pass:.1f} s a pass, {grid_cost:.1f} s at tune's {facts['repeats']} measurements per config "
-              f"(tune / grid {facts['tune_s'] / grid_cost:.2f}); all rounds of the grid in this run: {measured:.1f} s.",
-              ""]
+    lines += ["", *notes(facts, grid_pass, measured), ""]
     ratio = {k: run.median(c) / run.median(oracle) for k, c in picks.items()}
     thread_rss = {k: rss[c] / rss[best_process] for k, c in picks.items()
                   if k in ("auto", "tune") and c.worker_method == "thread" and best_process}
@@ -290,6 +285,20 @@ def report_pipeline(name: str, head: tuple[str, str], run: Run, configs: list[Ca
                                                     rss[best_process] if best_process else math.nan),
               "picks": {k: c.label() for k, c in picks.items()}}
     return lines, result
+
+
+def notes(facts: dict, grid_pass: float, measured: float) -> list[str]:
+    """How auto decided, what tune tried and what it cost against the grid."""
+    search, repeats, tune_s = facts["search"], facts["repeats"], facts["tune_s"]
+    cost = tune_s / (grid_pass * repeats)
+    trials = "; ".join(f"{t.candidate.label()}: {t.skipped or ' '.join(f'{v:.0f}' for v in t.runs)} samples/s, "
+                       f"{t.metrics.get('tree_rss_peak_mb', 0):.0f} MB" for t in search.trials.values())
+    return [f"auto decided in {facts['auto_s']:.2f} s: " + "; ".join(f"{k}={v}" for k, v in facts["reasons"].items())
+            + ".",
+            f"tune: {len(search.trials)} candidates x {repeats} measurements in {tune_s:.1f} s; the grid: "
+            f"{grid_pass:.1f} s a pass, {grid_pass * repeats:.1f} s at tune's {repeats} measurements per config "
+            f"(tune / grid {cost:.2f}); all rounds of the grid in this run: {measured:.1f} s.",
+            f"tune's trials (threshold {search.threshold:.2f}, from the start's spread): {trials}."]
 
 
 def met(ok: bool) -> str:

@@ -444,9 +444,10 @@ def test_user_recipe_from_config_dir(dlpipe):
     assert "tiny_tabular" in r.stderr and "vision" in r.stderr  # both sources are listed
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"], ["+recipe=vision", "--cfg", "job"]])
+@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"], ["+recipe=vision", "--cfg", "job"], ["--version"],
+                                  ["bench", "--help"], ["sync", "--help"]])
 def test_printing_the_config_imports_neither_torch_nor_mlflow(tmp_path, args):
-    """Printing a config or the help must not pay for torch (seconds) or mlflow."""
+    """Printing a config, the help or the version must not pay for torch (seconds) or mlflow."""
     probe = ("import atexit, sys; atexit.register(lambda: print('IMPORTED', sorted(m for m in ('torch', 'mlflow') "
              "if m in sys.modules))); sys.argv = ['dlpipe'] + sys.argv[1:]; from dlpipe.cli import main; main()")
     r = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
