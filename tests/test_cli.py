@@ -26,7 +26,8 @@ EPOCH_METRICS = {"epoch_time_s", "samples_per_s", "data_wait_frac", "train_loss"
 
 def test_smoke_run_is_recorded_in_mlflow(dlpipe, mlflow_store, mlflow_client):
     """A default run trains and leaves one FINISHED run with per-epoch metrics, params, tags, config artifact."""
-    r = dlpipe(*FAST, f"tracking.uri={mlflow_store}", "tracking.experiment=smoke")
+    r = dlpipe(*FAST, f"tracking.uri={mlflow_store}", "tracking.experiment=smoke",
+               env={"MLFLOW_TAGS": '{"team": "vision", "ticket": 42}', "USER": "ada", "LOGNAME": "ada"})
     assert r.returncode == 0, r.stderr
     assert "train loss" in r.stdout  # the end-of-run summary table
     [run] = runs_of(mlflow_client, "smoke")
@@ -40,6 +41,11 @@ def test_smoke_run_is_recorded_in_mlflow(dlpipe, mlflow_store, mlflow_client):
     assert p["auto.loader.num_workers"].startswith(p["loader.num_workers"] + " (auto: CPU budget")
     assert p["dataset._target_"] == "dlpipe.data.vision.SyntheticJPEGDataset"
     assert run.data.tags["dlpipe.recipe"] == "smoke"
+    # MLflow's run context, as mlflow.start_run records it, and the user's MLFLOW_TAGS (HF's convention)
+    assert {k: run.data.tags[k] for k in ("mlflow.user", "mlflow.source.type", "mlflow.source.name", "team",
+                                          "ticket")} == {"mlflow.user": "ada", "mlflow.source.type": "LOCAL",
+                                                         "mlflow.source.name": "dlpipe", "team": "vision",
+                                                         "ticket": "42"}
     assert run.data.tags["dlpipe.verdict"] in {"input-bound", "cpu-budget-bound", "host-to-device-bound",
                                                "compute-bound"}
     assert f"bottleneck: {run.data.tags['dlpipe.verdict']}" in r.stdout
@@ -205,6 +211,19 @@ def test_bad_input_fails_before_tracking(dlpipe, tmp_path, mlflow_store, mlflow_
     assert "Traceback" not in r.stderr and r.stderr.strip() == errors[0], r.stderr
     assert runs_of(mlflow_client, exp) == []
     assert not (tmp_path / "outputs").exists()  # no half-made run directory either
+
+
+@pytest.mark.parametrize("value, expected", [("team=vision", "not JSON"), ('["a"]', "must be a JSON object")])
+def test_malformed_mlflow_tags_fail_before_anything_starts(dlpipe, tmp_path, value, expected):
+    """MLFLOW_TAGS (HF Trainer's convention) is checked with the config: one line naming the variable
+    and its value, exit 2, no store created, no output folder."""
+    store = tmp_path / "fresh.db"
+    r = dlpipe(*FAST, f"tracking.uri=sqlite:///{store}", env={"MLFLOW_TAGS": value})
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error: ")]
+    assert errors == [line for line in r.stderr.splitlines() if line.strip()], r.stderr
+    assert len(errors) == 1 and f"MLFLOW_TAGS={value!r} (environment variable): {expected}" in errors[0]
+    assert not store.exists() and not (tmp_path / "outputs").exists()
 
 
 def test_all_problems_reported_together(dlpipe):

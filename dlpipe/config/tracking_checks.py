@@ -7,6 +7,7 @@ Values may come from MLflow's environment variables (conf/tracking/mlflow.yaml r
 message then says so, since the command line shows no such value.
 """
 
+import json
 import os
 from collections.abc import Mapping
 from importlib.metadata import entry_points
@@ -66,4 +67,29 @@ def check_tracking(c: TrackingConfig, environ: Mapping[str, str] = os.environ) -
         p.append(f"tracking.retry_every_s={c.retry_every_s}: must be > 0")
     if c.offline_wait_s < 0:
         p.append(f"tracking.offline_wait_s={c.offline_wait_s}: must be >= 0")
+    if c.enabled and tags_problem(environ.get(TAGS_ENV)):
+        p.append(f"{TAGS_ENV}={environ[TAGS_ENV]!r} (environment variable): {tags_problem(environ[TAGS_ENV])}")
     return p
+
+
+TAGS_ENV = "MLFLOW_TAGS"
+"""Extra run tags as a JSON object, as HF Trainer's MLflowCallback reads them."""
+
+
+def env_tags(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """MLFLOW_TAGS's tags ({} when unset); check_tracking has refused a malformed value already."""
+    text = environ.get(TAGS_ENV)
+    return {str(k): str(v) for k, v in json.loads(text).items()} if text and not tags_problem(text) else {}
+
+
+def tags_problem(text: str | None) -> str | None:
+    """Why MLFLOW_TAGS is not a JSON object of tags, or None (also when unset)."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        return f"not JSON ({e}); allowed: a JSON object such as '{{\"team\": \"vision\"}}'"
+    if not isinstance(value, dict) or not all(isinstance(v, (str, int, float, bool)) for v in value.values()):
+        return "must be a JSON object of names to strings or numbers, such as '{\"team\": \"vision\"}'"
+    return None

@@ -16,6 +16,7 @@ from pathlib import Path
 from dlpipe import hardware
 from dlpipe.config.decisions import explain
 from dlpipe.config.sources import Origin
+from dlpipe.config.tracking_checks import env_tags
 from dlpipe.config.validation import validate
 from dlpipe.errors import DlpipeError, first_line
 from dlpipe.redact import redact_logging, redact_overrides, redact_text, redact_tree
@@ -211,10 +212,14 @@ def settings_params(settings: dict, requested: dict) -> dict[str, str]:
 def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
     """Tags every dlpipe run carries (overrides redacted: they may hold a tracking password)."""
     tags = {
+        **env_tags(),  # MLFLOW_TAGS: the user's, under dlpipe's own
         "dlpipe.recipe": ctx.recipe or "none",
         "dlpipe.overrides": " ".join(redact_overrides(ctx.overrides)) or "none",
         "dlpipe.host": socket.gethostname(),
         "dlpipe.output_dir": str(ctx.output_dir),
+        # MLflow's own run context (what mlflow.start_run records): who ran what, from where
+        "mlflow.user": _user(),
+        "mlflow.source.type": "LOCAL",
         "mlflow.source.name": "dlpipe",
         **extra,
     }
@@ -222,6 +227,16 @@ def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
     if commit:
         tags["mlflow.source.git.commit"] = commit
     return tags
+
+
+def _user() -> str:
+    """The login name, as MLflow records it (getpass: LOGNAME, USER, then the password database)."""
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a container uid with no passwd entry and no USER set
+        return "unknown"
 
 
 def _git_commit() -> str | None:
