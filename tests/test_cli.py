@@ -46,6 +46,9 @@ def test_smoke_run_is_recorded_in_mlflow(dlpipe, mlflow_store, mlflow_client):
                                           "ticket")} == {"mlflow.user": "ada", "mlflow.source.type": "LOCAL",
                                                          "mlflow.source.name": "dlpipe", "team": "vision",
                                                          "ticket": "42"}
+    # the experiment opens on MLflow 3's model-training view, not its GenAI overview
+    assert mlflow_client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == \
+        "custom_model_development"
     assert run.data.tags["dlpipe.verdict"] in {"input-bound", "cpu-budget-bound", "host-to-device-bound",
                                                "compute-bound"}
     assert f"bottleneck: {run.data.tags['dlpipe.verdict']}" in r.stdout

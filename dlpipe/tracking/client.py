@@ -28,15 +28,23 @@ def client_for(uri: str, timeout_s: float, retries: int):
         return MlflowClient(tracking_uri=uri)
 
 
+EXPERIMENT_KIND = "mlflow.experimentKind"
+"""The experiment tag the MLflow 3 UI opens by: model training runs, not its GenAI overview."""
+MODEL_TRAINING = "custom_model_development"
+
+
 def experiment_id(client, name: str) -> str:
+    """The experiment's id, made if it is new, marked for model training unless it says its kind."""
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
             raise DlpipeError(f"tracking.experiment={name}: this experiment is deleted; "
                               "restore it or pick another name")
+        if EXPERIMENT_KIND not in exp.tags:  # made before dlpipe marked them, or by another tool
+            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         return exp.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, tags={EXPERIMENT_KIND: MODEL_TRAINING})
     except Exception:  # another sweep job created it between our lookup and create
         exp = client.get_experiment_by_name(name)
         if exp is None:
