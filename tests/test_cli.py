@@ -92,6 +92,12 @@ def test_multirun_makes_parent_with_child_runs(dlpipe, mlflow_store, mlflow_clie
     summary = open(mlflow_client.download_artifacts(parent.info.run_id, "sweep_summary.md")).read()
     assert "loader.num_workers=0" in summary and "loader.num_workers=1" in summary
     assert "sweep summary (2 runs" in r.stdout
+    # the descriptions the UI shows: the parent's comparison with its winner first, each child's verdict
+    best = parent.data.tags["dlpipe.best_job"]
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith(f"**Fastest:** {best} (") and note.endswith(summary.rstrip("\n"))
+    for child in children:
+        assert child.data.tags["mlflow.note.content"] == f"**Bottleneck:** {child.data.tags['dlpipe.verdict_detail']}"
 
 
 def test_sweep_with_a_bad_job_runs_the_others_and_fails(dlpipe, mlflow_store, mlflow_client):

@@ -203,7 +203,8 @@ class TrainJob:
         measured = run_metrics(history)
         verdict = self.judge(measured, warm=len(history) > 1)  # run_metrics leaves the first epoch out
         tags = {"dlpipe.gpu_metrics": self.sampler.gpu_status, "dlpipe.optimizer_steps": str(self.trainer.step),
-                "dlpipe.verdict": verdict.kind, "dlpipe.verdict_detail": verdict.line()}
+                "dlpipe.verdict": verdict.kind, "dlpipe.verdict_detail": verdict.line(),
+                "mlflow.note.content": f"**Bottleneck:** {verdict.line()}"}  # the run's description in the UI
         if verdict.change:
             tags["dlpipe.advice"] = verdict.change  # the sweep checks it against its other jobs
         # Judged before it is recorded (the run is not its own evidence); a single epoch's figure carries

@@ -36,6 +36,10 @@ FAILED_TAG_PREFIX = "dlpipe.failed_job."  # + Hydra job number -> that job's ove
 MAX_TAG_CHARS = 8000  # MLflow's tag value limit
 
 
+NOTE_TAG = "mlflow.note.content"
+"""A run's description in the MLflow UI (markdown)."""
+
+
 def tag_value(text: str) -> str:
     """`text` cut to fit a tag. MLflow cuts a longer value the same way, but raises instead with
     MLFLOW_TRUNCATE_LONG_VALUES=false, which here would leave the parent RUNNING or lose a failed
@@ -119,7 +123,7 @@ class SweepTracking(Callback):
         children = self.client.search_runs(
             [parent_run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'", max_results=10000
         )
-        best = self._summarise(parent, parent_run, children)
+        best, table = self._summarise(parent, parent_run, children)
 
         # A job that failed inside its run is both a non-FINISHED child and a failed-job tag:
         # count jobs by their overrides so it is counted once.
@@ -143,12 +147,15 @@ class SweepTracking(Callback):
             tags["dlpipe.best_run_id"] = best.run_id
             self.client.log_metric(parent, "best_samples_per_s", best.metrics["samples_per_s"])
             print(f"best job: {best.name} ({best.metrics['samples_per_s']:.1f} samples/s)", flush=True)
+        if table:  # the description the UI shows on the parent's page: the comparison, the winner first
+            winner = f"**Fastest:** {best.name} ({best.metrics['samples_per_s']:.1f} samples/s)\n\n" if best else ""
+            tags[NOTE_TAG] = winner + table
         for k, v in tags.items():
             self.client.set_tag(parent, k, tag_value(v))
         self.client.set_terminated(parent, status)
 
-    def _summarise(self, parent: str, parent_run, children) -> Job | None:
-        """Print the table and log it (sweep_summary.md) and the chart; return the fastest job.
+    def _summarise(self, parent: str, parent_run, children) -> tuple[Job | None, str]:
+        """Print the table and log it (sweep_summary.md) and the chart; return the fastest job and the table.
         Jobs that failed before they had a run are rows too, known from the failed-job tags. The
         summary is an extra: if it fails, say so and let _finish end the parent with its status."""
         try:
@@ -162,10 +169,10 @@ class SweepTracking(Callback):
             self.client.log_text(parent, table + "\n", "sweep_summary.md")
         except Exception as e:  # noqa: BLE001 - any failure here must not leave the parent RUNNING
             log.warning("sweep_summary.md not logged: %s: %s", type(e).__name__, e)
-            return None
+            return None, ""
         self._check_advice(jobs, children)
         self._log_plot(parent, jobs)
-        return best_job(jobs)
+        return best_job(jobs), table
 
     def _check_advice(self, jobs: list[Job], children) -> None:
         """Withdraw each job's advice that another job of the sweep ran no faster (sweep_advice): tag
