@@ -22,6 +22,7 @@ from dlpipe.config.store import register_recipes, register_schemas
 from dlpipe.errors import ConfigError, DlpipeError, user_message
 from dlpipe.help import help_page, version_line
 from dlpipe.stop import Terminated
+from dlpipe.tracking.given_run import refuse_outside_training
 from dlpipe.training.distributed import devices_requested, export_submitit_env, ranks_from_env, torchrun_command
 from dlpipe.training.requeue import requeue_through_submitit
 
@@ -183,6 +184,16 @@ def plan_argv(argv: list[str]) -> list[str]:
     return with_overrides([argv[0], *argv[2:]], PLAN_OVERRIDES)
 
 
+def refuse_a_sweep_into_one_run(argv: list[str]) -> None:
+    """MLFLOW_RUN_ID names one run: refused for a sweep here, before the sweep opens its parent run."""
+    if set(MULTIRUN_FLAGS) & set(argv[1:]):
+        try:
+            refuse_outside_training("train", multirun=True)
+        except ConfigError as e:
+            print(f"dlpipe: error: {e.problems[0]}", file=sys.stderr)
+            sys.exit(2)
+
+
 def main() -> None:
     """Console-script entry point (`dlpipe ...`, `python -m dlpipe ...`)."""
     if "--version" in sys.argv[1:]:  # before Hydra, whose own --version names Hydra's
@@ -201,6 +212,7 @@ def main() -> None:
         task, args = sys.argv[1], sys.argv[2:]
         sys.argv = with_overrides([sys.argv[0], *args], [f"task={task}", *help_page(task, args)])
     sys.argv = multirun_first(sys.argv)
+    refuse_a_sweep_into_one_run(sys.argv)
     command = torchrun_command(sys.argv[1:], os.environ)
     if command is not None:
         n = devices_requested(sys.argv[1:])

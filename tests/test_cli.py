@@ -235,6 +235,31 @@ def test_malformed_mlflow_tags_fail_before_anything_starts(dlpipe, tmp_path, val
     assert not store.exists() and not (tmp_path / "outputs").exists()
 
 
+def test_mlflow_run_id_continues_a_given_run(dlpipe, tmp_path, mlflow_store, mlflow_client):
+    """MLFLOW_RUN_ID (HF Trainer's convention): the job logs into that run; a run the store does not
+    hold, one in another experiment, or a sweep is one line and exit 2 before anything is built."""
+    exp = mlflow_client.create_experiment("given-run")
+    given = mlflow_client.create_run(exp, run_name="made elsewhere").info.run_id
+    mlflow_client.set_terminated(given, "FINISHED")
+    track = [f"tracking.uri={mlflow_store}", "tracking.experiment=given-run"]
+    r = dlpipe(*FAST, "trainer.epochs=1", *track, env={"MLFLOW_RUN_ID": given})
+    assert r.returncode == 0, r.stderr
+    [run] = runs_of(mlflow_client, "given-run")
+    assert run.info.run_id == given and run.info.status == "FINISHED" and "samples_per_s" in run.data.metrics
+    for args, env, expected in [
+        ((*FAST, *track), {"MLFLOW_RUN_ID": "0" * 32}, f"MLFLOW_RUN_ID={'0' * 32} (environment variable): no such run"),
+        ((*FAST, f"tracking.uri={mlflow_store}", "tracking.experiment=other"), {"MLFLOW_RUN_ID": given},
+         "the run is in experiment 'given-run', not tracking.experiment=other; set tracking.experiment=given-run"),
+        (("--multirun", *FAST, "trainer.epochs=1,2", *track), {"MLFLOW_RUN_ID": given},
+         f"MLFLOW_RUN_ID={given} (environment variable): continues one training run; unset it for --multirun"),
+    ]:
+        r = dlpipe(*args, env=env)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("dlpipe: error: ")]
+        assert r.returncode in (1, 2) and errors and expected in errors[0], r.stderr
+        assert "Traceback" not in r.stderr
+    assert len(runs_of(mlflow_client, "given-run")) == 1 and runs_of(mlflow_client, "other") == []
+
+
 def test_all_problems_reported_together(dlpipe):
     """Several bad values are collected into one error, one line each."""
     r = dlpipe(*FAST, "tracking=none", "loader.num_workers=-2", "loader.batch_size=0", "trainer.epochs=0")

@@ -21,6 +21,7 @@ from dlpipe.config.validation import validate
 from dlpipe.errors import DlpipeError, first_line
 from dlpipe.redact import redact_logging, redact_overrides, redact_text, redact_tree
 from dlpipe.schema import DlpipeConfig, TrackingConfig
+from dlpipe.tracking.given_run import refuse_outside_training
 from dlpipe.tracking.outbox import OUTBOX_FILE, connect_error
 from dlpipe.tracking.run import PARENT_RUN_ENV
 
@@ -52,6 +53,7 @@ def preflight(raw: dict, resolved: dict, task: str, ctx: JobContext) -> tuple[Dl
         check_single_process(os.environ, task)
     cfg = validate(resolved)
     check_tracking_reachable(cfg.tracking)
+    refuse_outside_training(task, ctx.multirun)  # MLFLOW_RUN_ID continues one training run
     decided = explain(raw, resolved, ctx.origin)
     for key, why in decided.items():
         log.info("%s = %s", key, why)

@@ -51,10 +51,12 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
 
 
 def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks) -> float | None:
+    from dlpipe.tracking.given_run import given_run_id
     from dlpipe.training.requeue import submitit_signal
 
+    given = given_run_id(cfg.tracking) if ranks.is_main else None  # MLFLOW_RUN_ID, before anything is built
     job = build_job(ctx, raw, cfg, decided, ranks)
-    resume_run_id = job.resume()
+    resume_run_id = job.resume() or given  # a checkpoint's own run first: it holds the epochs resumed
     job.start_worker_helpers()
     tracking = cfg.tracking if ranks.is_main else replace(cfg.tracking, enabled=False)
     with stop_gracefully(job.trainer.stop, submitit_signal()), open_run(ctx, tracking, job.tags, resume_run_id) as run:
