@@ -155,3 +155,17 @@ def test_candidates_normalise_what_means_nothing():
     assert Candidate(2, 2, True, False, worker_method="thread").persistent_workers is False
     assert Candidate(2, 2, False, False, "batch", "thread").label() == \
         "num_workers=2 worker_method=thread prefetch_factor=2 fetch=batch"
+
+
+def test_a_noisy_start_does_not_let_much_slower_threads_in_for_their_memory():
+    """The start's runs spread by 100% (threshold 2 x noise): threads at 0.45x are not 'as fast'."""
+    def evaluate(c):
+        if c == START:
+            return Trial(c, runs=[1000.0, 2000.0, 1100.0], metrics={"tree_rss_peak_mb": 900.0})
+        value = 500.0 if c.worker_method == "thread" else 1100.0
+        return Trial(c, runs=[value] * 3, metrics={"tree_rss_peak_mb": 300.0 if c.worker_method == "thread" else 900.0})
+
+    search = Search(evaluate, min_gain=0.03, max_workers=2, tune_persistent=False, tune_pin=False, tune_threads=True)
+    best = search.run(START)
+    assert best.worker_method == "process" and search.threshold > 1
+    assert Candidate(2, 2, False, False, worker_method="thread") in search.trials  # measured, and refused

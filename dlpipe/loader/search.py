@@ -194,10 +194,12 @@ class Search:
         return best
 
     def _as_fast_lighter(self, c: Candidate, best: Candidate) -> bool:
-        """`c` within the noise of `best` (not slower by the threshold) with a lower process-tree peak."""
+        """`c` as fast as `best` (slower by at most the noise threshold, and never by more than twice
+        min_gain: a noisy start must not let a much slower candidate in) with a lower process-tree peak."""
         self._score(c)
         rss = lambda x: self.trials[x].metrics.get("tree_rss_peak_mb")  # noqa: E731
-        return (not self.trials[c].skipped and self._score(c) * (1 + self.threshold) >= self._score(best)
+        tolerance = min(self.threshold, 2 * self.min_gain)
+        return (not self.trials[c].skipped and self._score(c) * (1 + tolerance) >= self._score(best)
                 and rss(c) is not None and rss(best) is not None and rss(c) < rss(best))
 
     def _climb_up(self, best: Candidate) -> Candidate:

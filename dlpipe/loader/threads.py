@@ -54,8 +54,8 @@ class ThreadLoader:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator:
-        node = self._pipeline()
-        epoch = _with_timeout(node, self.timeout) if self.timeout else _unwrap_errors(node)
+        graph, count = [self._pipeline()], len(self)  # in a list: _retire drops the only reference
+        epoch = _with_timeout(graph, count, self.timeout) if self.timeout else _unwrap_errors(graph, count)
         # Weak: an epoch the runner drops (limit_train_batches, a stop) takes its graph with it, and
         # the graph's threads end within torchdata's 0.1 s poll instead of idling through validation.
         self._epoch = weakref.ref(epoch)
@@ -108,16 +108,31 @@ class _Fetch:
             return _Failed(ExceptionWrapper(where="in a DataLoader worker thread"))
 
 
-def _unwrap_errors(node) -> Iterator:
-    for batch in node:
-        if isinstance(batch, _Failed):
-            batch.wrapper.reraise()
-        yield batch
+def _unwrap_errors(graph: list, count: int) -> Iterator:
+    """The epoch's `count` batches. It ends after the last one instead of asking the graph for the
+    end of the stream, which torchdata finds by polling every 0.1 s: an epoch's worth of waiting."""
+    try:
+        for _ in range(count):
+            batch = next(graph[0], _END)
+            if batch is _END:  # fewer batches than the sampler said: the stream's own end
+                return
+            if isinstance(batch, _Failed):
+                batch.wrapper.reraise()
+            yield batch
+    finally:
+        _retire(graph)
 
 
-def _with_timeout(node, timeout: float) -> Iterator:
-    """The batches of `node`, raising PyTorch's own timeout error when none arrives within `timeout`
-    seconds. A relay thread consumes the graph: the graph's own next() waits without a deadline.
+def _retire(graph: list) -> None:
+    """Drop an epoch's graph in a thread of its own: its threads take up to torchdata's 0.1 s poll to
+    see the stop, and whoever ends the epoch (the runner, between epochs) should not wait for that."""
+    threading.Thread(target=graph.clear, name="dlpipe-loader-retire", daemon=True).start()
+
+
+def _with_timeout(graph: list, count: int, timeout: float) -> Iterator:
+    """The epoch's `count` batches from the graph, raising PyTorch's own timeout error when none
+    arrives within `timeout` seconds. A relay thread consumes the graph: the graph's own next() waits
+    without a deadline.
     Every hand-over gives up once the consumer has gone, so an epoch left early leaves no thread."""
     handed: queue.Queue = queue.Queue(maxsize=1)
     stop = threading.Event()
@@ -131,14 +146,17 @@ def _with_timeout(node, timeout: float) -> Iterator:
                 continue
         return False
 
-    def relay():
+    def relay():  # ends with the graph in hand: the last reference goes here, not in the consumer
         try:
-            for batch in node:
-                if not hand_over(batch):
-                    return
+            for _ in range(count):  # not to the end of the stream: see _unwrap_errors
+                batch = next(graph[0], _END)
+                if batch is _END or not hand_over(batch):
+                    break
             hand_over(_END)
         except BaseException:  # noqa: BLE001 - raised again in the consuming thread
             hand_over(_Failed(ExceptionWrapper(where="in the DataLoader's thread relay")))
+        finally:
+            graph.clear()
 
     thread = threading.Thread(target=relay, name="dlpipe-loader-relay", daemon=True)
     thread.start()
