@@ -156,6 +156,10 @@ class TrackingConfig:
     offline_wait_s: float = 30.0
     """At the end of a run with the server away: seconds to wait for it before leaving the unsent
     writes in the output directory for `dlpipe sync`."""
+    log_model: str = "none"
+    """The checkpoint the run stores as its artifact `model/` when training ends: none, best (best.pt,
+    the best monitored epoch) or last (the newest epoch). None by default, as Lightning's MLFlowLogger
+    and HF Trainer: a model can be large, and the checkpoints stay in the output folder either way."""
 
 
 @dataclass

@@ -167,6 +167,9 @@ BAD_INPUT_CLI = [
     (["dataset=image_folder", "dataset.root={tmp}/nope", "model=cnn"], "does not exist"),
     (["dataset=image_folder", "dataset.root={tmp}/empty", "model=cnn"], "{tmp}/empty"),
     (["tracking.uri=http://127.0.0.1:9"], "tracking.uri=http://127.0.0.1:9: 127.0.0.1:9: Connection refused"),
+    (["tracking.log_model=all"], "tracking.log_model=all: allowed: none, best, last"),
+    (["tracking.log_model=last", "checkpoint.enabled=false"],
+     "tracking.log_model=last: logs a checkpoint, and checkpoint.enabled=false writes none"),
 ]
 
 
@@ -258,6 +261,18 @@ def test_mlflow_run_id_continues_a_given_run(dlpipe, tmp_path, mlflow_store, mlf
         assert r.returncode in (1, 2) and errors and expected in errors[0], r.stderr
         assert "Traceback" not in r.stderr
     assert len(runs_of(mlflow_client, "given-run")) == 1 and runs_of(mlflow_client, "other") == []
+
+
+@pytest.mark.parametrize("which, expected", [("best", "best.pt"), ("last", "epoch-0002.pt")])
+def test_log_model_stores_the_checkpoint_with_the_run(dlpipe, tmp_path, mlflow_store, mlflow_client, which, expected):
+    """tracking.log_model=best|last: the run's artifact model/ holds that checkpoint, byte for byte."""
+    r = dlpipe(*FAST, "trainer.epochs=2", f"tracking.log_model={which}", f"hydra.run.dir={tmp_path / 'run'}",
+               f"tracking.uri={mlflow_store}", f"tracking.experiment=log-model-{which}")
+    assert r.returncode == 0, r.stderr
+    [run] = runs_of(mlflow_client, f"log-model-{which}")
+    assert [a.path for a in mlflow_client.list_artifacts(run.info.run_id, "model")] == [f"model/{expected}"]
+    stored = mlflow_client.download_artifacts(run.info.run_id, f"model/{expected}", str(tmp_path))
+    assert open(stored, "rb").read() == (tmp_path / "run" / "checkpoints" / expected).read_bytes()
 
 
 def test_all_problems_reported_together(dlpipe):

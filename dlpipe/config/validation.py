@@ -245,6 +245,18 @@ def _check_worker_bound(loader: LoaderConfig, cpu_budget: int) -> list[str]:
             "with its own copy of the dataset, and beyond a few per CPU they only add start-up time and memory"]
 
 
+def _check_log_model(tracking: TrackingConfig, checkpoint: CheckpointConfig) -> list[str]:
+    if tracking.log_model not in ("none", "best", "last"):
+        return [f"tracking.log_model={tracking.log_model}: allowed: none, best, last"]
+    if tracking.log_model != "none" and not checkpoint.enabled:
+        return [f"tracking.log_model={tracking.log_model}: logs a checkpoint, and checkpoint.enabled=false writes "
+                "none; enable checkpoints or set tracking.log_model=none"]
+    if tracking.log_model == "best" and not checkpoint.monitor:
+        return ["tracking.log_model=best: no best checkpoint without checkpoint.monitor; set one or use "
+                "tracking.log_model=last"]
+    return []
+
+
 def validate(resolved: dict, cpu_budget: int | None = None) -> DlpipeConfig:
     """The resolved config (a plain dict) as typed sections; raises ConfigError listing every problem.
     `cpu_budget` bounds loader.num_workers (None: this process's, hardware.cpu_budget)."""
@@ -261,6 +273,8 @@ def validate(resolved: dict, cpu_budget: int | None = None) -> DlpipeConfig:
         problems += check(sections[section])
     if "loader" in sections:
         problems += _check_worker_bound(sections["loader"], cpu_budget or hardware.cpu_budget().budget)
+    if "tracking" in sections and "checkpoint" in sections:
+        problems += _check_log_model(sections["tracking"], sections["checkpoint"])
     problems += check_target("dataset", resolved["dataset"])
     problems += check_target("model", resolved["model"])
     # optimizers take the parameters first (a partial): skip it in the 'allowed' listing

@@ -70,6 +70,9 @@ def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str]
             written = job.close()  # the files stay in the output dir on failure
         for path in written:
             run.log_artifact(path, "profile")
+        model = job.model_file(tracking.log_model) if tracking.enabled and tracking.log_model != "none" else None
+        if model is not None:
+            run.log_artifact(model, "model")  # the run's model, as MLflow's UI lists it
         verdict = job.record_outcome(run, history)
     if ranks.is_main:
         print(summary_table(history), flush=True)

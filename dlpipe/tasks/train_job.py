@@ -195,6 +195,16 @@ class TrainJob:
             self._closed = self.profiler.finish() + self.allocations.finish()
         return self._closed
 
+    def model_file(self, which: str) -> Path | None:
+        """The checkpoint tracking.log_model names ("best" or "last"), or None when there is none; a
+        best.pt never written (no epoch had the monitored metric) gives the last, with a warning."""
+        newest = next(iter(self.store.candidates()), None)
+        if which == "best" and not self.store.best_path.exists():
+            log.warning("tracking.log_model=best: no best.pt (no epoch had %s): logging the last epoch's",
+                        self.cfg.checkpoint.monitor)
+            return newest
+        return self.store.best_path if which == "best" else newest
+
     def record_outcome(self, run, history: list[dict[str, float]]):
         """The run's verdict, worker-memory warning and end tags; returns the verdict."""
         from dlpipe.tasks.evidence import settings_of
