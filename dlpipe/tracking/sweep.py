@@ -145,7 +145,8 @@ class SweepTracking(Callback):
         if best is not None:
             tags["dlpipe.best_job"] = best.name
             tags["dlpipe.best_run_id"] = best.run_id
-            self.client.log_metric(parent, "best_samples_per_s", best.metrics["samples_per_s"])
+            # under a prefix of its own: the UI's chart view never mixes the parent with its children
+            self.client.log_metric(parent, "sweep/best_samples_per_s", best.metrics["samples_per_s"])
             print(f"best job: {best.name} ({best.metrics['samples_per_s']:.1f} samples/s)", flush=True)
         if table:  # the description the UI shows on the parent's page: the comparison, the winner first
             winner = f"**Fastest:** {best.name} ({best.metrics['samples_per_s']:.1f} samples/s)\n\n" if best else ""
