@@ -244,6 +244,8 @@ def test_mlflow_run_id_continues_a_given_run(dlpipe, tmp_path, mlflow_store, mlf
     exp = mlflow_client.create_experiment("given-run")
     given = mlflow_client.create_run(exp, run_name="made elsewhere").info.run_id
     mlflow_client.set_terminated(given, "FINISHED")
+    deleted = mlflow_client.create_run(exp).info.run_id
+    mlflow_client.delete_run(deleted)
     track = [f"tracking.uri={mlflow_store}", "tracking.experiment=given-run"]
     r = dlpipe(*FAST, "trainer.epochs=1", *track, env={"MLFLOW_RUN_ID": given})
     assert r.returncode == 0, r.stderr
@@ -251,6 +253,8 @@ def test_mlflow_run_id_continues_a_given_run(dlpipe, tmp_path, mlflow_store, mlf
     assert run.info.run_id == given and run.info.status == "FINISHED" and "samples_per_s" in run.data.metrics
     for args, env, expected in [
         ((*FAST, *track), {"MLFLOW_RUN_ID": "0" * 32}, f"MLFLOW_RUN_ID={'0' * 32} (environment variable): no such run"),
+        ((*FAST, *track), {"MLFLOW_RUN_ID": deleted}, f"MLFLOW_RUN_ID={deleted} (environment variable): the run is "
+                                                      "deleted"),
         ((*FAST, f"tracking.uri={mlflow_store}", "tracking.experiment=other"), {"MLFLOW_RUN_ID": given},
          "the run is in experiment 'given-run', not tracking.experiment=other; set tracking.experiment=given-run"),
         (("--multirun", *FAST, "trainer.epochs=1,2", *track), {"MLFLOW_RUN_ID": given},

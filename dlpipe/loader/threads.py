@@ -14,7 +14,9 @@ NumPy) are the main process's, shared by every thread, so a dataset that draws f
 reproducible with threads (loader.worker_method=auto never picks threads for one).
 """
 
+import atexit
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -55,6 +57,7 @@ class ThreadLoader:
 
     def __iter__(self) -> Iterator:
         graph, count = [self._pipeline()], len(self)  # in a list: _retire drops the only reference
+        _open[id(graph)] = graph
         epoch = _with_timeout(graph, count, self.timeout) if self.timeout else _unwrap_errors(graph, count)
         # Weak: an epoch the runner drops (limit_train_batches, a stop) takes its graph with it, and
         # the graph's threads end within torchdata's 0.1 s poll instead of idling through validation.
@@ -126,7 +129,29 @@ def _unwrap_errors(graph: list, count: int) -> Iterator:
 def _retire(graph: list) -> None:
     """Drop an epoch's graph in a thread of its own: its threads take up to torchdata's 0.1 s poll to
     see the stop, and whoever ends the epoch (the runner, between epochs) should not wait for that."""
-    threading.Thread(target=graph.clear, name="dlpipe-loader-retire", daemon=True).start()
+    _open.pop(id(graph), None)
+    if sys.is_finalizing():  # an epoch collected at exit: no new thread can start then
+        graph.clear()
+        return
+    retiring = threading.Thread(target=graph.clear, name="dlpipe-loader-retire", daemon=True)
+    retiring.start()
+    _retiring[:] = [t for t in _retiring if t.is_alive()] + [retiring]
+
+
+_open: dict[int, list] = {}
+"""The graphs of epochs not retired yet (an epoch still held, or left unstarted), by id."""
+_retiring: list[threading.Thread] = []
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop every epoch's threads before the interpreter goes down: torch's C++ side aborts the
+    process ("terminate called without an active exception") if they are still running then."""
+    for graph in list(_open.values()):
+        graph.clear()  # torchdata's graph stops and joins its threads as it is dropped
+    _open.clear()
+    for retiring in _retiring:
+        retiring.join(timeout=5)
 
 
 def _with_timeout(graph: list, count: int, timeout: float) -> Iterator:
@@ -156,6 +181,7 @@ def _with_timeout(graph: list, count: int, timeout: float) -> Iterator:
         except BaseException:  # noqa: BLE001 - raised again in the consuming thread
             hand_over(_Failed(ExceptionWrapper(where="in the DataLoader's thread relay")))
         finally:
+            _open.pop(id(graph), None)
             graph.clear()
 
     thread = threading.Thread(target=relay, name="dlpipe-loader-relay", daemon=True)

@@ -25,8 +25,8 @@ from dlpipe.sample_rng import SampleBatch
 from dlpipe.schema import LoaderConfig
 
 THREAD_SCALING_MIN = 0.75
-"""Threads are taken when N of them fetch at least 0.75 x N times as fast as one: about what N worker
-processes reach after their pickling and hand-over (2 threads on JPEG decode reached 0.94 of 2
+"""Threads are taken when N of them fetch at least 0.75 x N times as fast as the main process alone:
+about what N worker processes reach after their pickling and hand-over (2 threads on JPEG decode reached 0.94 of 2
 processes), and halfway between a dataset that holds the GIL (1x) and one that releases it (N x)."""
 PROBE_SERIAL_S = 0.25
 """About how long each round fetches in this thread before it times N threads on the same items:
@@ -77,9 +77,10 @@ def choose(dataset: Dataset, num_workers: int, batch_size: int, collate_fn: Call
                            "to make threads possible)")
     speedup = thread_speedup(dataset, num_workers, batch_size, collate_fn)
     if speedup >= THREAD_SCALING_MIN * num_workers:
-        return "thread", (f"{num_workers} threads fetched {speedup:.2f}x as fast as one (the dataset releases the "
-                          "GIL): as fast as processes, without their memory, start-up and hand-over")
-    return "process", (f"{num_workers} threads fetched only {speedup:.2f}x as fast as one, under "
+        return "thread", (f"{num_workers} threads fetched {speedup:.2f}x as fast as the main process alone (the "
+                          "dataset releases the GIL): as fast as processes, without their memory, start-up and "
+                          "hand-over")
+    return "process", (f"{num_workers} threads fetched only {speedup:.2f}x as fast as the main process alone, under "
                        f"{THREAD_SCALING_MIN:g} x {num_workers} (the dataset holds the GIL)")
 
 

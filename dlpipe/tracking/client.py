@@ -33,6 +33,19 @@ EXPERIMENT_KIND = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
 
 
+def _mark_for_training(client, experiment: str) -> None:
+    """Tag an existing experiment for model training; a server that lets this user log runs but not
+    edit the experiment (some managed ones) only costs the UI's default view, not the run."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.set_experiment_tag(experiment, EXPERIMENT_KIND, MODEL_TRAINING)
+    except MlflowException as e:
+        why = redact_text(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        logging.getLogger("dlpipe").warning("experiment %s not marked for model training (%s): the MLflow UI "
+                                            "may open it on its GenAI view", experiment, why)
+
+
 def experiment_id(client, name: str) -> str:
     """The experiment's id, made if it is new, marked for model training unless it says its kind."""
     exp = client.get_experiment_by_name(name)
@@ -41,7 +54,7 @@ def experiment_id(client, name: str) -> str:
             raise DlpipeError(f"tracking.experiment={name}: this experiment is deleted; "
                               "restore it or pick another name")
         if EXPERIMENT_KIND not in exp.tags:  # made before dlpipe marked them, or by another tool
-            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
+            _mark_for_training(client, exp.experiment_id)
         return exp.experiment_id
     try:
         return client.create_experiment(name, tags={EXPERIMENT_KIND: MODEL_TRAINING})

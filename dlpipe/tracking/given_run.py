@@ -5,11 +5,14 @@ run id the store does not hold (or one in another experiment) is refused in one 
 training first and then starting a new run with a warning, as a checkpoint's stale run id does.
 """
 
+import logging
 import os
 from collections.abc import Mapping
 
-from dlpipe.errors import ConfigError
+from dlpipe.errors import ConfigError, first_line
 from dlpipe.redact import redact_text
+
+log = logging.getLogger("dlpipe")
 
 RUN_ID_ENV = "MLFLOW_RUN_ID"
 
@@ -34,11 +37,19 @@ def given_run_id(tracking, environ: Mapping[str, str] = os.environ) -> str | Non
     from dlpipe.tracking.client import client_for
 
     said = f"{RUN_ID_ENV}={run_id} (environment variable)"
+    store = f"tracking.uri={redact_text(tracking.uri)}"
     client = client_for(tracking.uri, tracking.request_timeout_s, tracking.request_retries)
     try:
         run = client.get_run(run_id)
-    except MlflowException:
-        raise ConfigError([f"{said}: no such run in tracking.uri={redact_text(tracking.uri)}"]) from None
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise ConfigError([f"{said}: no such run in {store}"]) from None
+        raise ConfigError([f"{said}: cannot read the run from {store} ({redact_text(first_line(e))})"]) from None
+    if run.info.lifecycle_stage == "deleted":
+        raise ConfigError([f"{said}: the run is deleted in {store}; restore it (mlflow runs restore) or unset "
+                           f"{RUN_ID_ENV}"])
+    if run.info.status == "RUNNING":  # maybe a live job's: both would write into it
+        log.warning("%s: the run is RUNNING: if another job still logs to it, both write into one run", said)
     experiment = client.get_experiment(run.info.experiment_id).name
     if experiment != tracking.experiment:
         raise ConfigError([f"{said}: the run is in experiment {experiment!r}, not tracking.experiment="
