@@ -119,7 +119,7 @@ def test_validation_draws_the_same_every_epoch_whoever_fetches():
     assert same(batches[1], batches[0]) and same(batches[2], batches[0])
 
 
-@pytest.mark.parametrize("threads", [dict(), dict(prefetch_factor=3), dict(timeout=5.0)],
+@pytest.mark.parametrize("threads", [dict(), dict(prefetch_factor=3), dict(timeout=30.0)],
                          ids=["plain", "prefetcher", "timeout-relay"])
 def test_a_failing_item_is_named_from_a_thread_as_from_a_process(threads):
     """Through torchdata's Prefetcher thread or the timeout relay too, the error names the worker."""

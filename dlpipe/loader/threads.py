@@ -143,6 +143,16 @@ _open: dict[int, list] = {}
 _retiring: list[threading.Thread] = []
 
 
+def let_threads_end(timeout_s: float = 5.0) -> None:
+    """Wait for the graphs of finished epochs to stop their threads (each within torchdata's 0.1 s
+    poll). Worker processes start by fork: a child forked while one of those threads holds a lock
+    (the allocator's, logging's) waits on it forever; `dlpipe tune` alternates thread and process
+    candidates in one process."""
+    for retiring in _retiring:
+        retiring.join(timeout=timeout_s)
+    _retiring.clear()
+
+
 @atexit.register
 def _stop_at_exit() -> None:
     """Stop every epoch's threads before the interpreter goes down: torch's C++ side aborts the

@@ -121,6 +121,10 @@ class SignalSafeLoader(DataLoader):
             super().__init__(*args, **kwargs)
 
     def _get_iterator(self):
+        if self.num_workers:
+            from dlpipe.loader.threads import let_threads_end
+
+            let_threads_end()  # a fork while another loader's threads hold a lock leaves the child stuck on it
         with _worker_count_warning_silenced():
             iterator = super()._get_iterator()
         if self.num_workers and threading.current_thread() is threading.main_thread():
