@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from functools import partial
 
 from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from dlpipe.stop import EXITING, STOP_SIGNALS, stop_clock, stopping
 
@@ -105,6 +106,22 @@ def _worker_count_warning_silenced():
         yield
 
 
+class _EndsWorkersOnError(_MultiProcessingDataLoaderIter):
+    """PyTorch's worker-process iterator, whose workers stop as soon as an error leaves next(). PyTorch
+    stops them when the iterator is collected, and the error's traceback holds it: kept in a reference
+    cycle (a caller that logs or stores the error), it is only collected by a later gc pass, which then
+    spends MP_STATUS_CHECK_INTERVAL (5 s) per worker waiting for workers whose queues gc already closed."""
+
+    def _next_data(self):
+        try:
+            return super()._next_data()
+        except StopIteration:
+            raise
+        except Exception:
+            self._shutdown_workers()
+            raise
+
+
 class SignalSafeLoader(DataLoader):
     """A DataLoader whose workers leave stopping to the main process (see the module docstring)."""
 
@@ -126,7 +143,11 @@ class SignalSafeLoader(DataLoader):
 
             let_threads_end()  # a fork while another loader's threads hold a lock leaves the child stuck on it
         with _worker_count_warning_silenced():
-            iterator = super()._get_iterator()
+            if not self.num_workers:
+                iterator = super()._get_iterator()
+            else:
+                self.check_worker_number_rationality()
+                iterator = _EndsWorkersOnError(self)
         if self.num_workers and threading.current_thread() is threading.main_thread():
             # PyTorch's SIGCHLD handler raises "worker exited unexpectedly" wherever the main
             # thread is, mid optimizer step included; while a stop is under way, let next() say it.
