@@ -94,6 +94,8 @@ def read_runs(workdir: Path) -> dict[str, dict]:
     """run name -> {metric: mean over epochs or None, 'params': {...}, 'gpu_metrics': tag}."""
     from mlflow import MlflowClient
 
+    from dlpipe.tracking.metric_names import mlflow_name
+
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'm.db'}")
     exp = client.get_experiment_by_name(EXPERIMENT)
     out = {}
@@ -103,7 +105,7 @@ def read_runs(workdir: Path) -> dict[str, dict]:
             continue
         row: dict = {}
         for key in METRICS:
-            history = client.get_metric_history(run.info.run_id, key)
+            history = client.get_metric_history(run.info.run_id, mlflow_name(key))  # as dlpipe logs it
             row[key] = statistics.fmean(m.value for m in history) if history else None
         row["params"] = {k: run.data.params.get(f"loader.{k}", "?") for k in LOADER_PARAMS}
         row["device"] = run.data.params.get("trainer.device", "?")

@@ -156,6 +156,10 @@ class TrackingConfig:
     offline_wait_s: float = 30.0
     """At the end of a run with the server away: seconds to wait for it before leaving the unsent
     writes in the output directory for `dlpipe sync`."""
+    system_metrics: bool = False
+    """MLflow's own system metrics (`system/cpu_utilization_percentage`, disk, network, GPU) beside
+    dlpipe's, sampled by MLflow's monitor thread every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds
+    (10 by default); the config follows MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING. Off by default, as in MLflow."""
     log_model: str = "none"
     """The checkpoint the run stores as its artifact `model/` when training ends: none, best (best.pt,
     the best monitored epoch) or last (the newest epoch). None by default, as Lightning's MLFlowLogger

@@ -63,6 +63,20 @@ def mlflow_client(mlflow_store):
     return MlflowClient(tracking_uri=mlflow_store)
 
 
+def epoch_history(client, run_id: str, metric: str) -> list[tuple[int, float]]:
+    """(epoch, value) for each value of `metric` (MLflow's name) the run holds, in step order. Epoch
+    metrics sit on the optimizer-step axis, at each epoch's last step, where the run's `epoch`
+    metric says which epoch it was."""
+    epoch_at = {m.step: int(m.value) for m in client.get_metric_history(run_id, "epoch")}
+    history = sorted(client.get_metric_history(run_id, metric), key=lambda m: m.step)
+    return [(epoch_at[m.step], m.value) for m in history]
+
+
+def epochs_logged(client, run_id: str, metric: str) -> list[int]:
+    """The epochs whose value of `metric` the run holds: [1, 2] for a metric logged once per epoch of two."""
+    return sorted(epoch for epoch, _ in epoch_history(client, run_id, metric))
+
+
 def runs_of(client, experiment: str):
     """All runs of an experiment (empty list when the experiment does not exist)."""
     exp = client.get_experiment_by_name(experiment)

@@ -6,6 +6,8 @@ from pathlib import Path
 import yaml
 from conftest import TESTS_DIR, runs_of
 
+from dlpipe.tracking.metric_names import dlpipe_names
+
 # A dataset slow by construction (a sleep per item): workers overlap the sleeps, so more of them
 # is faster on any machine, 2 CPUs included, and the tuner's choice does not depend on noise.
 SLOW = ["--config-dir", str(TESTS_DIR / "conf"), "model=mlp", "model.in_features=4", "dataset=slow",
@@ -27,7 +29,7 @@ def test_bench_measures_the_configured_loader(dlpipe, mlflow_store, mlflow_clien
     assert "samples/s" in line and "first batch" in line and "per worker" in line
     [run] = runs_of(mlflow_client, "bench-one")
     assert run.info.status == "FINISHED" and run.data.tags["dlpipe.task"] == "bench"
-    m = run.data.metrics
+    m = dlpipe_names(run.data.metrics)
     assert m["samples_per_s"] > 0 and m["first_batch_s"] > 0 and m["cpu_per_worker_pct"] >= 0
     assert m["worker_rss_mean_mb"] > 0 and m["tree_rss_peak_mb"] > m["worker_rss_mean_mb"]
     assert run.data.params["loader.num_workers"] == "2"
@@ -44,7 +46,7 @@ def test_bench_sweep_compares_worker_counts(dlpipe, mlflow_store, mlflow_client)
     children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert len(children) == 2
     assert "first batch s" in r.stdout and "val loss" not in r.stdout  # bench columns only
-    by_workers = {c.data.params["loader.num_workers"]: c.data.metrics["samples_per_s"] for c in children}
+    by_workers = {c.data.params["loader.num_workers"]: c.data.metrics["perf/samples_per_s"] for c in children}
     assert by_workers["2"] > by_workers["0"]  # two workers overlap the per-item sleeps
 
 
@@ -90,8 +92,8 @@ def test_tune_picks_workers_for_slow_items_and_writes_a_config_that_composes(
     runs = runs_of(mlflow_client, "tune-slow")
     [parent] = [x for x in runs if x.data.tags.get("dlpipe.task") == "tune"]
     trials = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(trials) >= 3 and parent.data.metrics["speedup"] >= 1.0
-    assert all("samples_per_s" in t.data.metrics for t in trials)
+    assert len(trials) >= 3 and parent.data.metrics["tune/speedup"] >= 1.0
+    assert all("perf/samples_per_s" in t.data.metrics for t in trials)
     # pinning asked for on the CPU: off in every trial (no flip tried without CUDA), and recorded so
     assert (parent.data.params["loader.pin_memory"], parent.data.params["requested.loader.pin_memory"]) == (
         "False", "True")

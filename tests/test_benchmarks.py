@@ -129,27 +129,27 @@ def test_fetch_probe_runs_and_writes_its_table(tmp_path):
 
 
 def test_suite_runs_the_chosen_scripts_into_one_report(tmp_path):
-    # The two fastest scripts at --quick sizes (about 20 s on 2 CPUs); startup alone takes 40 s.
+    # Two of the fastest scripts at --quick sizes (about 8 s on 2 CPUs); each has its own test above too.
     out = tmp_path / "suite.md"
-    r = run(["-m", "benchmarks", "--quick", "--rounds", "1", "--only", "telemetry_overhead,loader_tuning",
+    r = run(["-m", "benchmarks", "--quick", "--rounds", "1", "--only", "fetch_probe,data_wait",
              "--out", str(out)], cwd=REPO)
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert text in r.stdout  # the same report is printed
-    assert "- command: `python -m benchmarks --quick --rounds 1 --only telemetry_overhead,loader_tuning" in text
+    assert "- command: `python -m benchmarks --quick --rounds 1 --only fetch_probe,data_wait" in text
     assert "- git commit: " in text and "- CPU budget: " in text
     rows = table_rows(text)
     assert rows[0] == ["script", "goal", "result", "exit status"]
     summary = {row[0]: row for row in rows[2:4]}
-    assert list(summary) == ["telemetry_overhead", "loader_tuning"]  # the suite's order, not --only's
+    assert list(summary) == ["data_wait", "fetch_probe"]  # the suite's order, not --only's
     assert all(row[3] == "0" for row in summary.values())
-    assert summary["telemetry_overhead"][2].startswith("goal B/A >= 0.98")
-    assert (summary["loader_tuning"][2].startswith("decode: automatic ")
-            and "in-memory: automatic " in summary["loader_tuning"][2])
+    assert summary["data_wait"][2].startswith("A: data_wait_frac ")
+    assert (summary["fetch_probe"][2].startswith("in-memory rows: ")
+            and "JPEG decode: " in summary["fetch_probe"][2])
     # Each script's own report under its name, its headings nested below the suite's.
-    assert "\n## telemetry_overhead\n" in text and "\n### telemetry overhead\n" in text
-    assert "\n## loader_tuning\n" in text and "\n#### decode: " in text
-    assert "`python -m benchmarks.telemetry_overhead --rounds 1 --steps 20`: exit 0" in text
+    assert "\n## data_wait\n" in text and "\n### data wait\n" in text
+    assert "\n## fetch_probe\n" in text and "\n### fetch probe\n" in text
+    assert "`python -m benchmarks.data_wait --rounds 1 --items 8 --item-ms 2`: exit 0" in text
     assert "## startup" not in text and "| runner_overhead |" not in text
 
 

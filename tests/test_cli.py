@@ -20,22 +20,34 @@ SHIPPED_RECIPES = ", ".join(sorted(find_recipes(recipe_dirs()[:1])))
 # The user's own config folder (--config-dir) adds dataset options; the MLP takes num_classes from the dataset.
 # (argparse wants the option before the overrides.)
 FAULTY = ["--config-dir", str(TESTS_DIR / "conf"), "trainer.progress=false", "model=mlp", "model.in_features=4"]
-EPOCH_METRICS = {"epoch_time_s", "samples_per_s", "data_wait_frac", "train_loss", "val_loss",
-                 "val_accuracy", "cpu_util", "rss_mb", "first_batch_s"}
+# As MLflow shows them: one chart section per prefix (dlpipe.tracking.metric_names)
+EPOCH_METRICS = {"perf/epoch_time_s", "perf/samples_per_s", "loader/data_wait_frac", "train/loss", "val/loss",
+                 "val/accuracy", "system/cpu_util", "system/rss_mb", "loader/first_batch_s", "epoch"}
 
 
 def test_smoke_run_is_recorded_in_mlflow(dlpipe, mlflow_store, mlflow_client):
     """A default run trains and leaves one FINISHED run with per-epoch metrics, params, tags, config artifact."""
     r = dlpipe(*FAST, f"tracking.uri={mlflow_store}", "tracking.experiment=smoke",
-               env={"MLFLOW_TAGS": '{"team": "vision", "ticket": 42}', "USER": "ada", "LOGNAME": "ada"})
+               env={"MLFLOW_TAGS": '{"team": "vision", "ticket": 42}', "USER": "ada", "LOGNAME": "ada",
+                    "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "true", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5"})
     assert r.returncode == 0, r.stderr
     assert "train loss" in r.stdout  # the end-of-run summary table
     [run] = runs_of(mlflow_client, "smoke")
     assert run.info.status == "FINISHED"
     assert EPOCH_METRICS <= set(run.data.metrics)
-    history = mlflow_client.get_metric_history(run.info.run_id, "samples_per_s")
-    assert sorted(m.step for m in history) == [1, 2]  # one value per epoch
-    assert "gpu_util" not in run.data.metrics or run.data.params["gpu.count"] != "0"  # never a fake 0%
+    assert {k.partition("/")[0] for k in run.data.metrics if k != "epoch"} == {"train", "val", "perf", "loader",
+                                                                             "system"}
+    # One step axis, the optimizer step: an epoch's values at its last step, `epoch` beside them.
+    epoch_ends = sorted(m.step for m in mlflow_client.get_metric_history(run.info.run_id, "perf/samples_per_s"))
+    epochs = {m.step: m.value for m in mlflow_client.get_metric_history(run.info.run_id, "epoch")}
+    steps = [m.step for m in mlflow_client.get_metric_history(run.info.run_id, "train/loss_step")]
+    assert len(epoch_ends) == 2 and 0 < epoch_ends[0] < epoch_ends[1] == max(steps)
+    assert [epochs[s] for s in epoch_ends] == [1.0, 2.0]
+    assert all(epochs[s] == (1.0 if s <= epoch_ends[0] else 2.0) for s in steps)  # the step log's epoch too
+    assert "system/gpu_util" not in run.data.metrics or run.data.params["gpu.count"] != "0"  # never a fake 0%
+    # MLflow's own system metrics, opted into with MLflow's variable, beside dlpipe's
+    assert run.data.params["tracking.system_metrics"] == "True"
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
     p = run.data.params
     assert p["loader.num_workers"].isdigit() and p["cpu.budget"].isdigit()
     assert p["auto.loader.num_workers"].startswith(p["loader.num_workers"] + " (auto: CPU budget")
@@ -52,8 +64,13 @@ def test_smoke_run_is_recorded_in_mlflow(dlpipe, mlflow_store, mlflow_client):
     assert run.data.tags["dlpipe.verdict"] in {"input-bound", "cpu-budget-bound", "host-to-device-bound",
                                                "compute-bound"}
     assert f"bottleneck: {run.data.tags['dlpipe.verdict']}" in r.stdout
-    assert {"worker_rss_max_mb", "shm_used_mb", "step_time_p95_ms"} <= set(run.data.metrics)
+    assert {"loader/worker_rss_max_mb", "loader/shm_used_mb", "perf/step_time_p95_ms"} <= set(run.data.metrics)
     assert "trainer.progress=false" in run.data.tags["dlpipe.overrides"]
+    # the dataset as the run's input, once per split it fed (the UI's "Datasets used")
+    inputs = mlflow_client.get_run(run.info.run_id).inputs.dataset_inputs
+    assert sorted(i.tags[0].value for i in inputs) == ["train", "validation"]
+    assert {(i.dataset.name, i.dataset.source_type, i.dataset.source) for i in inputs} == {
+        ("SyntheticJPEGDataset", "code", '{"tags": {"dlpipe.dataset": "dlpipe.data.vision.SyntheticJPEGDataset"}}')}
     artifacts = [a.path for a in mlflow_client.list_artifacts(run.info.run_id, "config")]
     assert artifacts == ["config/resolved.yaml"]
     text = mlflow_client.download_artifacts(run.info.run_id, "config/resolved.yaml")
@@ -82,6 +99,9 @@ def test_multirun_makes_parent_with_child_runs(dlpipe, mlflow_store, mlflow_clie
     children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert len(children) == 2 and len(runs) == 3
     assert sorted(c.data.params["loader.num_workers"] for c in children) == ["0", "1"]
+    # short names that say what differs, as the UI's run list shows them
+    assert parent.info.run_name == "sweep smoke: num_workers=0,1"
+    assert sorted(c.info.run_name for c in children) == ["num_workers=0", "num_workers=1"]
     assert all(c.info.status == "FINISHED" for c in children)
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["dlpipe.jobs"] == "2"
@@ -250,7 +270,7 @@ def test_mlflow_run_id_continues_a_given_run(dlpipe, tmp_path, mlflow_store, mlf
     r = dlpipe(*FAST, "trainer.epochs=1", *track, env={"MLFLOW_RUN_ID": given})
     assert r.returncode == 0, r.stderr
     [run] = runs_of(mlflow_client, "given-run")
-    assert run.info.run_id == given and run.info.status == "FINISHED" and "samples_per_s" in run.data.metrics
+    assert run.info.run_id == given and run.info.status == "FINISHED" and "perf/samples_per_s" in run.data.metrics
     for args, env, expected in [
         ((*FAST, *track), {"MLFLOW_RUN_ID": "0" * 32}, f"MLFLOW_RUN_ID={'0' * 32} (environment variable): no such run"),
         ((*FAST, *track), {"MLFLOW_RUN_ID": deleted}, f"MLFLOW_RUN_ID={deleted} (environment variable): the run is "

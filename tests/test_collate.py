@@ -240,6 +240,6 @@ def test_bench_measures_the_ragged_recipe(dlpipe, mlflow_store, mlflow_client):
     assert r.returncode == 0, r.stderr  # loader=auto: the probe collated ragged items too
     assert "bench: " in r.stdout and "stack expects" not in r.stdout + r.stderr
     [run] = runs_of(mlflow_client, "bench-ragged")
-    assert run.info.status == "FINISHED" and run.data.metrics["samples_per_s"] > 0
+    assert run.info.status == "FINISHED" and run.data.metrics["perf/samples_per_s"] > 0
     assert run.data.params["loader.collate_fn._target_"] == "dlpipe.loader.collate.PadSequences"
     assert int(run.data.params["loader.batch_bytes_est"]) > 0

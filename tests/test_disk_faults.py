@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import runs_of
+from conftest import epochs_logged, runs_of
 
 from dlpipe import disk
 from dlpipe.errors import ConfigError
@@ -213,7 +213,7 @@ def test_cli_disk_full_mid_run_fails_with_one_line(dlpipe, tmpfs, mlflow_store, 
     [run] = runs_of(mlflow_client, "disk-full-checkpoint")
     assert run.info.status == "FAILED"
     assert run.data.tags["dlpipe.end_reason"] == f"CheckpointError: {line}"
-    assert [m.step for m in mlflow_client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
+    assert epochs_logged(mlflow_client, run.info.run_id, "train/loss") == [1, 2]
 
 
 # --- a tracking store that cannot take writes mid-run ---------------------------------------------
@@ -346,8 +346,8 @@ def test_cli_store_full_mid_run_trains_on_and_sync_delivers(dlpipe, tmpfs, tmp_p
     assert "tracking store cannot take writes (OperationalError: database or disk is full)" in r.stdout
     assert "epoch 2/2" in r.stderr and "Traceback" not in r.stderr
     box = Outbox.load(tmp_path / "job" / OUTBOX_FILE)
-    steps = {row[3] for e in box.entries if "metrics" in e for row in e["metrics"]}
-    assert steps == {2} and box.entries[-1] == {"end": "FINISHED"}
+    epochs = {row[1] for e in box.entries if "metrics" in e for row in e["metrics"] if row[0] == "epoch"}
+    assert epochs == {2.0} and box.entries[-1] == {"end": "FINISHED"}
     (folder / FILLER).unlink()
     synced = dlpipe("sync", "job")
     assert synced.returncode == 0, synced.stderr
@@ -355,6 +355,6 @@ def test_cli_store_full_mid_run_trains_on_and_sync_delivers(dlpipe, tmpfs, tmp_p
     client = MlflowClient(uri)
     try:
         assert client.get_run(box.run_id).info.status == "FINISHED"
-        assert [m.step for m in client.get_metric_history(box.run_id, "train_loss")] == [1, 2]
+        assert epochs_logged(client, box.run_id, "train/loss") == [1, 2]
     finally:
         client._tracking_client.store.engine.dispose()  # its open connections would keep the tmpfs busy

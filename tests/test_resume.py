@@ -4,7 +4,9 @@ import shlex
 
 import pytest
 import torch
-from conftest import runs_of
+from conftest import epochs_logged, runs_of
+
+from dlpipe.tracking.metric_names import dlpipe_name
 
 SMOKE = ["+recipe=smoke", "trainer.progress=false", "trainer.deterministic=true"]
 
@@ -37,8 +39,7 @@ def test_interrupted_run_plus_resume_equals_straight_run(dlpipe, tmp_path, mlflo
 
     [run] = runs_of(mlflow_client, "resume")  # reattached, not a second run
     assert run.info.status == "FINISHED" and run.info.run_id == state_b["mlflow_run_id"]
-    steps = sorted(m.step for m in mlflow_client.get_metric_history(run.info.run_id, "train_loss"))
-    assert steps == [1, 2, 3]
+    assert epochs_logged(mlflow_client, run.info.run_id, "train/loss") == [1, 2, 3]
     assert "epoch 1" in run.data.tags["dlpipe.resumed_from"]
 
 
@@ -60,9 +61,10 @@ SIGNALLED = ["--config-dir", "{tests}/conf", "dataset=signals_itself", "model=ml
 
 
 def logged(client, run) -> dict[str, list[tuple[int, float]]]:
-    """Every metric of a run but the measured ones: {key: [(step, value), ...]} in step order."""
-    keys = set(client.get_run(run.info.run_id).data.metrics) - MEASURED
-    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in keys}
+    """Every metric of a run but the measured ones, by dlpipe's names: {key: [(step, value), ...]} in step order."""
+    keys = [k for k in client.get_run(run.info.run_id).data.metrics if dlpipe_name(k) not in MEASURED]
+    return {dlpipe_name(k): sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
+            for k in keys}
 
 
 # The main process alone signalled at its 150th fetch (pre-flight and epoch 1 fetch about 110); or, from

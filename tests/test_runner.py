@@ -315,8 +315,8 @@ def test_grad_clip_bounds_the_gradient_norm_the_optimizer_sees():
 
 
 def test_metric_sink_gets_epoch_metrics_and_train_loss_step_every_log_every_steps():
-    """The sink gets each epoch's metrics (step=epoch) and train_loss_step, lr and grad_norm at steps
-    log_every, 2*log_every, ..."""
+    """The sink gets each epoch's metrics, `epoch` among them, at the epoch's last optimizer step, and
+    train_loss_step, lr, grad_norm and epoch at steps log_every, 2*log_every, ...: one step axis."""
     train, val = make_dataset(24), make_dataset(10, seed=1)
     model = make_model()
     sink = RecordingSink()
@@ -327,8 +327,9 @@ def test_metric_sink_gets_epoch_metrics_and_train_loss_step_every_log_every_step
     step_calls = [(m, s) for m, s in sink.calls if "train_loss_step" in m]
     epoch_calls = [(m, s) for m, s in sink.calls if "train_loss_step" not in m]
     assert [s for _, s in step_calls] == [2, 4, 6, 8, 10, 12]
-    assert [s for _, s in epoch_calls] == [1, 2]
-    assert all(set(m) == {"train_loss_step", "lr", "grad_norm"} for m, _ in step_calls)
+    assert [(s, m["epoch"]) for m, s in epoch_calls] == [(6, 1.0), (12, 2.0)]
+    assert all(set(m) == {"train_loss_step", "lr", "grad_norm", "epoch"} for m, _ in step_calls)
+    assert [m["epoch"] for m, _ in step_calls] == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
     # one flush per epoch, right after that epoch's metrics: never inside a training step
     epoch_positions = [i + 1 for i, (m, _) in enumerate(sink.calls) if "train_loss_step" not in m]
     assert sink.flushes == epoch_positions
@@ -350,7 +351,6 @@ def test_metric_sink_gets_epoch_metrics_and_train_loss_step_every_log_every_step
                 "epoch_lr"}
     for m, _ in epoch_calls:
         assert required <= set(m)
-        assert "epoch" not in m
         assert m["train_loss"] == pytest.approx(per_sample.mean().item(), rel=1e-5)
         assert m["val_loss"] == pytest.approx(F.cross_entropy(val_logits, vy).item(), rel=1e-5)
         assert m["val_accuracy"] == pytest.approx((val_logits.argmax(-1) == vy).float().mean().item())

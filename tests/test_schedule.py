@@ -99,7 +99,8 @@ def test_epoch_interval_steps_after_each_epoch_and_max_steps_caps_the_span():
     Trainer(net, optimizer, TrainerConfig(epochs=3, log_every=5, progress=False), metrics=sink,
             schedule=schedule).fit(loader)
     assert [used[0] for used in optimizer.used] == [0.1] * 5 + [0.05] * 5 + [0.025] * 5
-    assert sink.series("epoch_lr") == [(1, 0.1), (2, 0.05), (3, 0.025)]
+    assert sink.series("epoch_lr") == [(5, 0.1), (10, 0.05), (15, 0.025)]  # at each epoch's last step
+    assert sink.series("epoch") == [(5, 1.0), (5, 1.0), (10, 2.0), (10, 2.0), (15, 3.0), (15, 3.0)]  # step log, epoch
     assert sink.series("lr") == [(5, 0.1), (10, 0.05), (15, 0.025)]
     # the span: optimizer steps (or epochs) of the whole run, capped by max_steps
     capped = TrainerConfig(epochs=3, max_steps=7)
@@ -242,7 +243,7 @@ def cli(tests_dir, *extra: str) -> list[str]:
 
 
 def lr_history(client, run) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "lr"))
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/lr"))
 
 
 def test_cli_cosine_run_logs_the_formula_at_every_step(dlpipe, tmp_path, mlflow_store, mlflow_client):
@@ -259,8 +260,10 @@ def test_cli_cosine_run_logs_the_formula_at_every_step(dlpipe, tmp_path, mlflow_
     assert [k for k, _ in history_a] == list(range(1, 13))
     assert [v for _, v in history_a] == pytest.approx([closed_form(k, 0.05, 3, 12, 0.1) for k in range(1, 13)],
                                                      rel=1e-12, abs=0)
-    assert [m.step for m in mlflow_client.get_metric_history(run_a.info.run_id, "grad_norm")] == list(range(1, 13))
-    assert [m.step for m in mlflow_client.get_metric_history(run_a.info.run_id, "epoch_lr")] == [1, 2, 3]
+    norms = mlflow_client.get_metric_history(run_a.info.run_id, "train/grad_norm")
+    assert [m.step for m in norms] == list(range(1, 13))
+    # one step axis: each epoch's values at its last optimizer step
+    assert [m.step for m in mlflow_client.get_metric_history(run_a.info.run_id, "train/epoch_lr")] == [4, 8, 12]
 
 
 def test_a_plateau_schedule_halves_the_lr_when_the_monitored_metric_stalls():

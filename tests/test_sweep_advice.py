@@ -6,11 +6,12 @@ from dlpipe.tracking.sweep_advice import withdrawn_advice
 
 
 def job(run_id, overrides, samples_per_s, advice=None, status="FINISHED", params=None):
+    """A child run as MLflow returns it: its metrics under MLflow's names."""
     tags = {"dlpipe.overrides": f"+recipe=smoke {overrides}"}
     if advice:
         tags["dlpipe.advice"] = advice
     return SimpleNamespace(info=SimpleNamespace(run_id=run_id, status=status),
-                           data=SimpleNamespace(tags=tags, metrics={"samples_per_s": samples_per_s},
+                           data=SimpleNamespace(tags=tags, metrics={"perf/samples_per_s": samples_per_s},
                                                 params=params or {}))
 
 
@@ -68,7 +69,7 @@ def test_sweep_end_tags_and_prints_withdrawn_advice_on_a_real_store(tmp_path, ca
                                                   ("loader.num_workers=2", 1075.0, "loader.num_workers=0")]):
         tags = {PARENT_TAG: parent, "dlpipe.overrides": f"+recipe=smoke {override}", "dlpipe.advice": advice}
         run = client.create_run(exp, start_time=start + i, run_name=f"job {i}", tags=tags).info.run_id
-        client.log_metric(run, "samples_per_s", rate)
+        client.log_metric(run, "perf/samples_per_s", rate)  # as MlflowRun names it
         client.log_param(run, "loader.num_workers", override.rpartition("=")[2])
         client.set_terminated(run, "FINISHED")
         ids.append(run)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dlpipe.tracking.metric_names import mlflow_name
 from dlpipe.tracking.run import PARENT_TAG
 from dlpipe.tracking.sweep_chart import sweep_plot
 from dlpipe.tracking.sweep_jobs import best_job, sweep_jobs
@@ -38,8 +39,8 @@ def make_sweep(client, experiment: str, jobs: list[tuple[str, dict[str, float], 
             PARENT_TAG: parent, "dlpipe.overrides": f"{COMMON} {override}",
         }).info.run_id
         # two epochs: the table and chart show the last one
-        first = [Metric(k, v * 0.5, start, 1) for k, v in metrics.items()]
-        last = [Metric(k, v, start, 2) for k, v in metrics.items()]
+        first = [Metric(mlflow_name(k), v * 0.5, start, 1) for k, v in metrics.items()]  # as MlflowRun logs them
+        last = [Metric(mlflow_name(k), v, start, 2) for k, v in metrics.items()]
         client.log_batch(run, metrics=first + last)
         client.set_terminated(run, status)
     children = client.search_runs([exp], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'")
@@ -155,7 +156,7 @@ def test_gpu_panel_appears_when_a_job_measured_gpu(client, tmp_path):
         ("loader.num_workers=0", metrics(100.0, gpu_util=40.0), "FINISHED"),
         ("loader.num_workers=1", metrics(300.0), "FINISHED"),  # no NVML in this job: a missing bar, not 0
     ])
-    cpu_only = [c for c in children if "gpu_util" not in c.data.metrics]
+    cpu_only = [c for c in children if "system/gpu_util" not in c.data.metrics]
     without = sweep_plot(sweep_jobs(cpu_only), tmp_path / "cpu.png")
     path = sweep_plot(sweep_jobs(children), tmp_path / "gpu.png")
     panels = ["samples_per_s", "data_wait_frac", "epoch_time_s", "tree_rss_peak_mb"]

@@ -5,9 +5,10 @@ refusals of samples a loss cannot use."""
 import json
 
 import pytest
-from conftest import runs_of
+from conftest import epoch_history, runs_of
 
 from dlpipe.config.targets import check_target
+from dlpipe.tracking.metric_names import dlpipe_names
 
 QUIET = ["trainer.progress=false"]
 
@@ -17,12 +18,12 @@ def test_a_regression_trains_to_r2_above_0_9_and_keeps_the_best_by_it(tmp_path, 
                f"tracking.uri={mlflow_store}", "tracking.experiment=regression")
     assert r.returncode == 0, r.stderr
     [run] = runs_of(mlflow_client, "regression")
-    metrics = run.data.metrics
+    metrics = dlpipe_names(run.data.metrics)
     assert run.info.status == "FINISHED" and metrics["val_r2"] > 0.9, metrics
     assert {"val_mse", "val_mae", "val_loss"} <= set(metrics) and "val_accuracy" not in metrics
     assert metrics["val_mse"] < metrics["val_mae"] < 1.0
     best = json.loads((tmp_path / "run" / "checkpoints" / "best.json").read_text())
-    r2 = [m.value for m in mlflow_client.get_metric_history(run.info.run_id, "val_r2")]
+    r2 = [m.value for m in mlflow_client.get_metric_history(run.info.run_id, "val/r2")]
     assert best["monitor"] == "val_r2" and best["value"] == max(r2)  # higher is better, from the metric itself
     assert run.data.params["loss._target_"] == "torch.nn.MSELoss"
 
@@ -46,9 +47,8 @@ def test_dict_samples_and_a_model_that_computes_its_own_loss(tmp_path, dlpipe, m
     assert r.returncode == 0, r.stderr
     [run] = runs_of(mlflow_client, "dicts")
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["val_accuracy"] > 0.9, run.data.metrics
-    losses = [m.value for m in sorted(mlflow_client.get_metric_history(run.info.run_id, "train_loss"),
-                                      key=lambda m: m.step)]
+    assert run.data.metrics["val/accuracy"] > 0.9, run.data.metrics
+    losses = [loss for _, loss in epoch_history(mlflow_client, run.info.run_id, "train/loss")]
     assert len(losses) == 3 and losses[-1] < losses[0]  # the model's own loss is what was minimised
 
 
@@ -131,18 +131,18 @@ def test_eval_reproduces_the_saved_epoch_and_init_from_fine_tunes(tmp_path, dlpi
     assert r.returncode == 0, r.stderr
     [scored] = runs_of(mlflow_client, "eval-score")
     assert scored.info.status == "FINISHED" and scored.data.tags["dlpipe.task"] == "eval"
-    for key in ("val_loss", "val_accuracy"):
-        at_epoch_2 = [m.value for m in mlflow_client.get_metric_history(trained.info.run_id, key) if m.step == 2]
-        assert abs(scored.data.metrics[key] - at_epoch_2[0]) < 1e-6, key
-    assert f"eval: val_loss {scored.data.metrics['val_loss']:.4f}" in r.stdout
+    for key in ("val/loss", "val/accuracy"):
+        [at_epoch_2] = [v for epoch, v in epoch_history(mlflow_client, trained.info.run_id, key) if epoch == 2]
+        assert abs(scored.data.metrics[key] - at_epoch_2) < 1e-6, key
+    assert f"eval: val_loss {scored.data.metrics['val/loss']:.4f}" in r.stdout
 
     r = dlpipe(*common, "trainer.epochs=1", "checkpoint.init_from=first/checkpoints", "hydra.run.dir=tuned",
                "tracking.experiment=eval-finetune")
     assert r.returncode == 0, r.stderr
     [tuned] = runs_of(mlflow_client, "eval-finetune")
     assert tuned.data.tags["dlpipe.init_from"].endswith("first/checkpoints/best.pt")
-    first_epoch = [m.value for m in mlflow_client.get_metric_history(trained.info.run_id, "train_loss") if m.step == 1]
-    assert tuned.data.metrics["train_loss"] < first_epoch[0]  # started from trained weights, not from scratch
+    [(_, first_epoch)] = epoch_history(mlflow_client, trained.info.run_id, "train/loss")[:1]
+    assert tuned.data.metrics["train/loss"] < first_epoch  # started from trained weights, not from scratch
 
 
 def test_eval_needs_weights_that_exist(tmp_path, dlpipe):
@@ -165,7 +165,7 @@ def test_early_stopping_ends_a_run_whose_metric_stops_improving(dlpipe, mlflow_s
     assert run.info.status == "FINISHED"
     assert run.data.tags["dlpipe.stopped_early"].startswith("early stopping: val_loss did not improve by more than "
                                                             "0.001 for 2 epochs")
-    assert len(mlflow_client.get_metric_history(run.info.run_id, "val_loss")) == 3  # best, then 2 without gain
+    assert len(mlflow_client.get_metric_history(run.info.run_id, "val/loss")) == 3  # best, then 2 without gain
     assert "training ended early: early stopping: val_loss" in r.stdout  # the log (Hydra logs to stdout)
 
 
@@ -200,7 +200,7 @@ def test_compiled_training_runs_and_matches_the_tags(dlpipe, mlflow_store, mlflo
     assert r.returncode == 0, r.stderr
     [run] = runs_of(mlflow_client, "compiled")
     assert run.info.status == "FINISHED" and run.data.params["trainer.compile"] == "True"
-    assert run.data.metrics["train_loss"] > 0
+    assert run.data.metrics["train/loss"] > 0
 
 
 def test_eval_of_a_whole_test_set_scores_it_without_augmentation(tmp_path, dlpipe):

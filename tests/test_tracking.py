@@ -1,5 +1,8 @@
 """MLflow tracking: run statuses, async metrics, params limits, and a real `mlflow server` on 127.0.0.1."""
 
+import json
+import urllib.request
+
 import pytest
 from conftest import runs_of
 from mlflow_server import free_port, start_server, stop_tree
@@ -84,18 +87,49 @@ def test_metric_history_keeps_every_step(mlflow_store, mlflow_client):
     assert sorted(m.step for m in history) == list(range(1, 201))
 
 
-def test_train_against_real_server(dlpipe, mlflow_server):
-    """A run logs params, metrics and its config artifact through a real tracking server over HTTP."""
-    from mlflow import MlflowClient
+def rest(server: str, endpoint: str, body: dict | None = None) -> dict:
+    """MLflow's REST API, as the UI calls it: GET with a query, or POST with a JSON body."""
+    if body is None:
+        with urllib.request.urlopen(f"{server}/api/2.0/mlflow/{endpoint}", timeout=30) as r:
+            return json.load(r)
+    request = urllib.request.Request(f"{server}/api/2.0/mlflow/{endpoint}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.load(r)
 
-    r = dlpipe("+recipe=smoke", "trainer.progress=false", "trainer.epochs=1",
-               f"tracking.uri={mlflow_server}", "tracking.experiment=server")
+
+def test_a_sweep_reads_at_a_glance_in_what_the_ui_shows(dlpipe, mlflow_server):
+    """A 4-job sweep through a real server, read back through the REST API the UI reads: the
+    experiment opens on training runs; short names say what differs (the parent what was swept);
+    children nest under the parent; descriptions hold the comparison and each verdict; metric names
+    fall into chart sections, the parent's apart; the dataset is each run's input."""
+    r = dlpipe("--multirun", "+recipe=smoke", "trainer.progress=false", "trainer.epochs=1", "loader.num_workers=0,1",
+               "loader.batch_size=16,32", f"tracking.uri={mlflow_server}", "tracking.experiment=ui")
     assert r.returncode == 0, r.stderr
-    client = MlflowClient(tracking_uri=mlflow_server)
-    [run] = runs_of(client, "server")
-    assert run.info.status == "FINISHED"
-    assert {"samples_per_s", "data_wait_frac", "epoch_time_s"} <= set(run.data.metrics)
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "config")] == ["config/resolved.yaml"]
+    exp = rest(mlflow_server, "experiments/get-by-name?experiment_name=ui")["experiment"]
+    assert {t["key"]: t["value"] for t in exp["tags"]}["mlflow.experimentKind"] == "custom_model_development"
+    runs = rest(mlflow_server, "runs/search", {"experiment_ids": [exp["experiment_id"]], "max_results": 50})["runs"]
+    tags = {run["info"]["run_id"]: {t["key"]: t["value"] for t in run["data"]["tags"]} for run in runs}
+    [parent] = [run for run in runs if tags[run["info"]["run_id"]].get("dlpipe.role") == "sweep"]
+    children = [run for run in runs if run is not parent]
+    assert parent["info"]["run_name"] == "sweep smoke: num_workers=0,1 batch_size=16,32"
+    assert sorted(c["info"]["run_name"] for c in children) == [
+        "num_workers=0 batch_size=16", "num_workers=0 batch_size=32", "num_workers=1 batch_size=16",
+        "num_workers=1 batch_size=32"]
+    assert {tags[c["info"]["run_id"]]["mlflow.parentRunId"] for c in children} == {parent["info"]["run_id"]}
+    assert all(tags[run["info"]["run_id"]]["mlflow.source.name"] == "dlpipe" for run in runs)  # the UI's Source
+    assert all(run["info"]["status"] == "FINISHED" for run in runs)
+    best = tags[parent["info"]["run_id"]]["dlpipe.best_job"]
+    assert tags[parent["info"]["run_id"]]["mlflow.note.content"].startswith(f"**Fastest:** {best} (")
+    assert all(tags[c["info"]["run_id"]]["mlflow.note.content"].startswith("**Bottleneck:** ") for c in children)
+    assert [m["key"] for m in parent["data"]["metrics"]] == ["sweep/best_samples_per_s"]
+    for child in children:
+        sections = {m["key"].partition("/")[0] for m in child["data"]["metrics"] if m["key"] != "epoch"}
+        assert sections == {"train", "val", "perf", "loader", "system"}, sections
+        contexts = [i["tags"][0]["value"] for i in child["inputs"]["dataset_inputs"]]
+        assert sorted(contexts) == ["train", "validation"]
+    files = rest(mlflow_server, f"artifacts/list?run_id={children[0]['info']['run_id']}&path=config")["files"]
+    assert [f["path"] for f in files] == ["config/resolved.yaml"]
 
 
 def test_unreachable_server_is_a_clear_error(dlpipe):

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import NO_PHONE_HOME, TESTS_DIR, runs_of
+from conftest import NO_PHONE_HOME, TESTS_DIR, epochs_logged, runs_of
 from mlflow_server import free_port, start_server, stop_tree
 
 from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, connect_error, unreachable
@@ -156,7 +156,7 @@ def test_server_gone_mid_run_loses_nothing(tmp_path):
         def first_epoch_logged():
             assert proc.poll() is None, err.read_text()
             runs = runs_of(client, "outage")
-            return runs and "epoch_time_s" in runs[0].data.metrics
+            return runs and "perf/epoch_time_s" in runs[0].data.metrics
 
         wait_for(first_epoch_logged, proc, "the first epoch's metrics")
         stop_tree(server)
@@ -165,7 +165,7 @@ def test_server_gone_mid_run_loses_nothing(tmp_path):
         assert proc.wait(timeout=180) == 0, err.read_text()
         [run] = runs_of(client, "outage")  # from the restarted server, before it stops
         assert run.info.status == "FINISHED"
-        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "epoch_time_s")) == [1, 2, 3, 4]
+        assert epochs_logged(client, run.info.run_id, "perf/epoch_time_s") == [1, 2, 3, 4]
         assert "sent late" in run.data.tags["dlpipe.tracking_outages"]
     finally:
         stop_all(proc, server)
@@ -206,7 +206,9 @@ def test_server_gone_for_good_leaves_an_outbox_that_sync_delivers(tmp_path, dlpi
         assert "run ended FINISHED" in r.stdout
         [run] = runs_of(client, "gone")
         assert run.info.status == "FINISHED"
-        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "epoch_time_s")) == [1, 2, 3, 4]
+        assert epochs_logged(client, run.info.run_id, "perf/epoch_time_s") == [1, 2, 3, 4]
+        [given] = client.get_run(run.info.run_id).inputs.dataset_inputs  # val_fraction=0: the train split only
+        assert given.tags[0].value == "train"
     finally:
         stop_tree(server)
     assert not outbox.exists()

@@ -9,7 +9,6 @@ import dataclasses
 import logging
 import os
 import socket
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from dlpipe.config.validation import validate
 from dlpipe.errors import DlpipeError, first_line
 from dlpipe.redact import redact_logging, redact_overrides, redact_text, redact_tree
 from dlpipe.schema import DlpipeConfig, TrackingConfig
+from dlpipe.tracking.context_tags import context_tags
 from dlpipe.tracking.given_run import refuse_outside_training
 from dlpipe.tracking.outbox import OUTBOX_FILE, connect_error
 from dlpipe.tracking.run import PARENT_RUN_ENV
@@ -213,52 +213,29 @@ def settings_params(settings: dict, requested: dict) -> dict[str, str]:
 
 def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
     """Tags every dlpipe run carries (overrides redacted: they may hold a tracking password)."""
-    tags = {
+    return {
         **env_tags(),  # MLFLOW_TAGS: the user's, under dlpipe's own
         "dlpipe.recipe": ctx.recipe or "none",
         "dlpipe.overrides": " ".join(redact_overrides(ctx.overrides)) or "none",
         "dlpipe.host": socket.gethostname(),
         "dlpipe.output_dir": str(ctx.output_dir),
-        # MLflow's own run context (what mlflow.start_run records): who ran what, from where
-        "mlflow.user": _user(),
-        "mlflow.source.type": "LOCAL",
-        "mlflow.source.name": "dlpipe",
+        **context_tags(),  # MLflow's own run context: who ran what, from where
         **extra,
     }
-    commit = _git_commit()
-    if commit:
-        tags["mlflow.source.git.commit"] = commit
-    return tags
-
-
-def _user() -> str:
-    """The login name, as MLflow records it (getpass: LOGNAME, USER, then the password database)."""
-    import getpass
-
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # a container uid with no passwd entry and no USER set
-        return "unknown"
-
-
-def _git_commit() -> str | None:
-    try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return None  # no git on this machine: the tag is optional
-    return r.stdout.strip() if r.returncode == 0 else None
 
 
 def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], resume_run_id: str | None = None):
     """The job's MLflow run (a NullRun with tracking=none), as a context manager that ends it."""
-    from dlpipe.tracking.run import MlflowRun, NullRun
+    from dlpipe.tracking.null_run import NullRun
+    from dlpipe.tracking.run import MlflowRun
 
     if not tracking.enabled:
         return NullRun()
-    # Name a run by what distinguishes it: the recipe and the overrides, less the recipe itself and
-    # the tracking settings that are the same for every run in the store.
-    varied = [o for o in ctx.overrides if not o.lstrip("+~").startswith(("recipe=", "tracking."))]
-    name = redact_text(tracking.run_name or " ".join([ctx.recipe or "dlpipe", *redact_overrides(varied)]))
+    from dlpipe.tracking.run_names import job_name, swept_keys_of_parent
+
+    # Named by what distinguishes it (tracking.run_names): in a sweep, its swept values
+    swept = swept_keys_of_parent() if ctx.multirun else None
+    name = redact_text(tracking.run_name) if tracking.run_name else job_name(ctx.recipe, ctx.overrides, swept)
     try:
         return MlflowRun(
             tracking.uri, tracking.experiment, name, tags,

@@ -61,8 +61,11 @@ def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str]
     tracking = cfg.tracking if ranks.is_main else replace(cfg.tracking, enabled=False)
     with stop_gracefully(job.trainer.stop, submitit_signal()), open_run(ctx, tracking, job.tags, resume_run_id) as run:
         job.run_id = run.run_id
+        if tracking.system_metrics:
+            run.watch_system()
         run.log_params(job.params, compared=job.config_flat)  # a resume compares config, not host facts
         run.log_text(job.resolved_yaml, "config/resolved.yaml")
+        run.log_inputs(job.dataset_input)
         try:
             with job.failures_translated():
                 history = job.fit(run)

@@ -28,6 +28,7 @@ from dlpipe.tasks.common import (
     warn_about_loaders,
 )
 from dlpipe.tasks.resume_point import resume_hint, resume_point, save_stop_checkpoint
+from dlpipe.tracking.dataset_input import describe as describe_dataset
 
 if TYPE_CHECKING:  # torch-heavy modules, imported when a job is built
     from dlpipe.loader.build import LoaderPlan
@@ -64,6 +65,8 @@ class TrainJob:
     evidence: "Evidence"
     journal: "MeasurementFile"
     """This job's training-run lines of the measurement journal: the run's own samples/s goes there."""
+    dataset_input: dict
+    """The dataset as the run's input (tracking.dataset_input.describe)."""
     run_id: str | None = None
     _closed: list | None = field(default=None, repr=False)
 
@@ -230,7 +233,7 @@ class TrainJob:
             tags["dlpipe.worker_memory"] = leak
         rss = [r["worker_rss_max_mb"] for r in history if "worker_rss_max_mb" in r]
         if len(rss) >= 2:
-            run.log_metrics({"worker_rss_slope_mb_per_epoch": rss_slope(rss)}, step=len(history))
+            run.log_metrics({"worker_rss_slope_mb_per_epoch": rss_slope(rss)}, step=self.trainer.step)
         run.set_tags(tags)
         return verdict
 
@@ -284,8 +287,10 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     store = CheckpointStore(folder, ck.keep_last, ck.monitor, mode)
     params = {**config_flat, **hardware.host_facts(cpu=budget), **{f"auto.{k}": v for k, v in decided.items()},
               **job_params(cfg, ranks, train_plan, model)}
+    sizes = {"train": len(train_set), **({"validation": len(val_set)} if val_set is not None else {})}
     return TrainJob(ctx, cfg, ranks, train_plan, val_plan, trainer, store, sampler, profiler, allocations,
-                    params, run_tags(ctx), resolved_yaml, config_flat, budget.budget, evidence, journal)
+                    params, run_tags(ctx), resolved_yaml, config_flat, budget.budget, evidence, journal,
+                    describe_dataset(shown["dataset"], sizes))
 
 
 def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int, extras: dict):

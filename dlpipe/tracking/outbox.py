@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from dlpipe.disk import write_failure
 from dlpipe.errors import causes, first_line
 from dlpipe.redact import without_password
+from dlpipe.tracking.dataset_input import mlflow_inputs
 from dlpipe.tracking.http_probe import http_silence
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,9 @@ class Outbox:
     def text(self, text: str, artifact_file: str) -> None:
         self.add({"text": text, "artifact_file": artifact_file})
 
+    def inputs(self, described: dict) -> None:
+        self.add({"inputs": described})
+
     def artifact(self, path, artifact_path: str | None) -> None:
         self.add({"artifact": str(path), "artifact_path": artifact_path})
 
@@ -170,6 +174,8 @@ class Outbox:
                     client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in entry["tags"].items()])
                 elif "text" in entry:
                     client.log_text(self.run_id, entry["text"], entry["artifact_file"])
+                elif "inputs" in entry:
+                    client.log_inputs(self.run_id, datasets=mlflow_inputs(entry["inputs"]))
                 elif "artifact" in entry:
                     if Path(entry["artifact"]).exists():
                         client.log_artifact(self.run_id, entry["artifact"], entry["artifact_path"])

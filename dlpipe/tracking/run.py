@@ -29,6 +29,8 @@ from dlpipe.redact import redact_text
 from dlpipe.stop import Terminated
 from dlpipe.tracking.abandoned import END_REASON_TAG, Owner, close_previous, write_marker
 from dlpipe.tracking.client import client_for, experiment_id
+from dlpipe.tracking.dataset_input import mlflow_inputs
+from dlpipe.tracking.metric_names import mlflow_name
 from dlpipe.tracking.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, outage_reason, unreachable
 from dlpipe.tracking.store_lock import absolute_uri
 
@@ -66,6 +68,7 @@ class MlflowRun:
         self.status: str | None = None
         self._pending: list[tuple[str, float, int, int]] = []  # (key, value, timestamp ms, step)
         self.resumed = False
+        self._system_monitor = None  # MLflow's, with tracking.system_metrics (watch_system)
         self.retry_every_s, self.offline_wait_s = retry_every_s, offline_wait_s
         self.probe_timeout_s = min(PROBE_TIMEOUT_S, timeout_s)
         self.offline_since: float | None = None  # monotonic time the current outage began
@@ -192,11 +195,12 @@ class MlflowRun:
         """Buffer metrics (with their step and wall-clock time); they are written by flush().
 
         The runner calls this inside the training loop (every trainer.log_every steps), so it only
-        appends tuples; MLflow's Metric entities are built when the rows are written."""
+        appends tuples; MLflow's Metric entities are built when the rows are written. Names are
+        MLflow's (tracking.metric_names: `val_loss` is logged as `val/loss`)."""
         ts = int(time.time() * 1000)
         pending = self._pending
         for k, v in metrics.items():
-            pending.append((k, float(v), ts, step))
+            pending.append((mlflow_name(k), float(v), ts, step))
         if len(pending) >= MAX_PENDING_METRICS:
             self.flush()
 
@@ -205,6 +209,9 @@ class MlflowRun:
         from mlflow.entities import Metric
 
         pending, self._pending = self._pending, []
+        # One value per (name, step), the last: `epoch` comes with an epoch's row and with the step
+        # log of its last step, and a store may refuse a batch that repeats a key at one step.
+        pending = list({(row[0], row[3]): row for row in pending}.values())
         if self._logged_steps:
             logged = self._logged_steps
             pending = [row for row in pending if row[3] > logged.get(row[0], row[3] - 1)]
@@ -216,6 +223,11 @@ class MlflowRun:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._write(lambda: self.client.log_text(self.run_id, text, artifact_file),
                     lambda: self.outbox.text(text, artifact_file))
+
+    def log_inputs(self, described: dict) -> None:
+        """The dataset as the run's input, once per split it fed (tracking.dataset_input.describe)."""
+        self._write(lambda: self.client.log_inputs(self.run_id, datasets=mlflow_inputs(described)),
+                    lambda: self.outbox.inputs(described))
 
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
         self._write(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path),
@@ -265,9 +277,22 @@ class MlflowRun:
         self.offline_since = None
         return True
 
+    def watch_system(self) -> None:
+        """Start MLflow's own system-metrics monitor on this run (what mlflow.start_run does with
+        log_system_metrics=True): a thread of MLflow's that samples CPU, memory, disk, network and
+        GPU and writes `system/...` on a step axis of its own (samples), until the run ends."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self._system_monitor = SystemMetricsMonitor(self.run_id, resume_logging=self.resumed,
+                                                    tracking_uri=absolute_uri(self.uri))
+        self._system_monitor.start()
+
     def end(self, status: str, reason: str | None = None) -> None:
         """Write what is buffered and mark the run ended; if the server is away, wait for it up to
         offline_wait_s, then leave everything in the outbox file for `dlpipe sync`."""
+        monitor, self._system_monitor = self._system_monitor, None
+        if monitor is not None:
+            monitor.finish()  # its last samples go in while the run is still RUNNING
         try:
             self.flush()  # a failed or killed run keeps the metrics it measured
             if reason:
@@ -316,22 +341,3 @@ class MlflowRun:
 def _describe(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {what}" for what, n in counts.items())
 
-
-class NullRun:
-    """tracking=none: the same interface, recording nothing."""
-
-    run_id = None
-    status = None
-
-    def log_params(self, params, compared=None): ...
-    def set_tags(self, tags): ...
-    def log_metrics(self, metrics, step): ...
-    def flush(self): ...
-    def log_text(self, text, artifact_file): ...
-    def log_artifact(self, path, artifact_path=None): ...
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -11,6 +11,7 @@ tests check the parent/child link in a real store to catch a silently broken cal
 """
 
 import atexit
+import json
 import logging
 import os
 import signal
@@ -24,7 +25,9 @@ from dlpipe.disk import unwritable
 from dlpipe.redact import redact_overrides
 from dlpipe.stop import STOP_SIGNALS, Terminated
 from dlpipe.tracking.client import client_for, experiment_id
+from dlpipe.tracking.context_tags import context_tags
 from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG
+from dlpipe.tracking.run_names import SWEPT_KEYS_ENV, key_of, sweep_name
 from dlpipe.tracking.sweep_advice import CHECK_TAG, withdrawn_advice
 from dlpipe.tracking.sweep_chart import sweep_plot
 from dlpipe.tracking.sweep_jobs import Job, best_job, sweep_jobs
@@ -38,6 +41,13 @@ MAX_TAG_CHARS = 8000  # MLflow's tag value limit
 
 NOTE_TAG = "mlflow.note.content"
 """A run's description in the MLflow UI (markdown)."""
+
+
+def swept_keys(overrides: list[str]) -> list[str]:
+    """The keys a sweep's overrides sweep (`a=1,2`, `range(...)`, `choice(...)`...), by Hydra's own parser."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return [key_of(o.input_line) for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()]
 
 
 def tag_value(text: str) -> str:
@@ -69,16 +79,19 @@ class SweepTracking(Callback):
             return  # Hydra cannot make the sweep's folder and stops before any job: no parent run to end
         self.client = client_for(tracking["uri"], tracking["request_timeout_s"], tracking["request_retries"])
         exp = experiment_id(self.client, tracking["experiment"])
-        overrides = " ".join(redact_overrides(config.hydra.overrides.task)) or "none"
+        given = list(config.hydra.overrides.task)
+        overrides = " ".join(redact_overrides(given)) or "none"
         recipe = config.hydra.runtime.choices.get("recipe") or "dlpipe"
+        swept = swept_keys(given)
         run = self.client.create_run(
             exp,
-            run_name=f"sweep {recipe} {overrides}",
+            run_name=sweep_name(recipe, given, swept),
             tags={"dlpipe.role": "sweep", "dlpipe.overrides": overrides, "dlpipe.recipe": recipe,
-                  "dlpipe.sweep_dir": str(config.hydra.sweep.dir)},
+                  "dlpipe.sweep_dir": str(config.hydra.sweep.dir), **context_tags()},
         )
         self.parent_id = run.info.run_id
         os.environ[PARENT_RUN_ENV] = self.parent_id
+        os.environ[SWEPT_KEYS_ENV] = json.dumps(swept)  # each job is named by its values of these
         # Hydra's sweeper raises a failed job's error before on_multirun_end, and a signal would
         # end the process without it: atexit plus these handlers end the parent in every case.
         atexit.register(self._finish)
@@ -118,6 +131,7 @@ class SweepTracking(Callback):
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         os.environ.pop(PARENT_RUN_ENV, None)
+        os.environ.pop(SWEPT_KEYS_ENV, None)
         parent, self.parent_id = self.parent_id, None
         parent_run = self.client.get_run(parent)
         children = self.client.search_runs(

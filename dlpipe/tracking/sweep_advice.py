@@ -9,6 +9,7 @@ sweep prints it. No torch here.
 """
 
 from dlpipe.loader.journal import MIN_GAIN
+from dlpipe.tracking.metric_names import mlflow_name
 
 ADVICE_TAG = "dlpipe.advice"
 CHECK_TAG = "dlpipe.advice_check"
@@ -35,17 +36,18 @@ def _ran_the_advice(job, other, key: str, value: str) -> bool:
 def withdrawn_advice(children, names: dict[str, str]) -> dict[str, str]:
     """run_id -> why its advice is withdrawn, for every FINISHED job whose advised change another
     FINISHED job of the sweep ran no faster."""
-    finished = [r for r in children if r.info.status == "FINISHED" and "samples_per_s" in r.data.metrics]
+    speed = mlflow_name("samples_per_s")
+    finished = [r for r in children if r.info.status == "FINISHED" and speed in r.data.metrics]
     out = {}
     for job in finished:
         key, _, value = job.data.tags.get(ADVICE_TAG, "").partition("=")
         if not key:
             continue
-        own = job.data.metrics["samples_per_s"]
+        own = job.data.metrics[speed]
         for other in finished:
             if other is job or not _ran_the_advice(job, other, key, value):
                 continue
-            theirs = other.data.metrics["samples_per_s"]
+            theirs = other.data.metrics[speed]
             if theirs < (1 + MIN_GAIN) * own:
                 name = names.get(other.info.run_id, other.info.run_id)
                 out[job.info.run_id] = (f"{key}={value} withdrawn: job '{name}' of this sweep ran it at {theirs:.1f} "

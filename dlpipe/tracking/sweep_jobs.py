@@ -9,6 +9,8 @@ No Hydra, no MLflow imports: the inputs are MLflow `Run`-like objects and plain 
 
 from dataclasses import dataclass, field
 
+from dlpipe.tracking.metric_names import dlpipe_names
+
 REQUESTED_PREFIX = "requested."  # + config key: the value asked for, where the run used another
 
 
@@ -69,7 +71,7 @@ def sweep_jobs(children, failed_overrides: list[str] = ()) -> list[Job]:
         varied = [o for o in own if o not in common]
         shown = [_ran(o, params) for o in varied]
         name = " ".join(shown) or r.info.run_name or r.info.run_id
-        jobs.append(Job(len(jobs) + 1, one_line(name), r.info.status, dict(r.data.metrics), r.info.run_id,
+        jobs.append(Job(len(jobs) + 1, one_line(name), r.info.status, dlpipe_names(r.data.metrics), r.info.run_id,
                         _settings(swept, own, params), ran_other=shown != varied))
     for own in every[len(runs):]:
         name = " ".join(o for o in own if o not in common) or "-"

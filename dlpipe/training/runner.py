@@ -80,7 +80,8 @@ class Trainer:
         self._autocast = autocast_for(self.device, settings.amp)
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=settings.amp == "fp16")
-        self.step = 0  # optimizer steps taken
+        self.step = 0  # optimizer steps taken: the step axis of every logged metric
+        self.epoch = 0  # the epoch being trained, counted from 1
         self.stop = stop or StopRequest()  # a signal handler (dlpipe.stop) sets it; read at every optimizer step
         self.cuda_sync_every = cuda_sync_every
         self.objective = objective or Objective()  # cross-entropy on (input, target) batches
@@ -128,7 +129,8 @@ class Trainer:
             # The same on every rank (not averaged); an epoch schedule moves before on_epoch checkpoints.
             lrs = self.schedule.end_epoch(self.optimizer, row) if self.schedule else current_lrs(self.optimizer)
             row.update(lr_metrics(lrs, "epoch_lr"))
-            self.metrics.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
+            # On the optimizer-step axis, as the step log: one x axis for every chart; `epoch` is a metric.
+            self.metrics.log_metrics(row, step=self.step)
             self.metrics.flush()  # between epochs: the write never interrupts a training step
             self.history.append(row)
             if self.on_epoch is not None:
@@ -154,6 +156,7 @@ class Trainer:
 
     def train_epoch(self, loader, epoch: int) -> dict[str, float]:
         s = self.settings
+        self.epoch = epoch
         self.model.train()
         total = self._batches_per_epoch(loader)
         progress = Progress(epoch, s.epochs, total, enabled=s.progress)
@@ -303,7 +306,7 @@ class Trainer:
                      self.step, s.empty_cache_every)
         if logged:
             self.guard.check(self.step_log.pending, self.step, self.optimizer, self.peers)  # before the log resets
-            self.step_log.record(self.step, self.optimizer, norm, self.metrics, self.peers)
+            self.step_log.record(self.step, self.epoch, self.optimizer, norm, self.metrics, self.peers)
         if self.schedule is not None:
             self.schedule.after_step(self.optimizer)  # after the log: `lr` is the one this step used
         if self.callbacks:

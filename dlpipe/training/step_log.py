@@ -1,6 +1,6 @@
 """What the loop logs every trainer.log_every optimizer steps, on the optimizer-step axis: the mean
-training loss since the last log (`train_loss_step`), the learning rate (`lr`, or `lr/group_N`) and
-the total gradient norm (`grad_norm`)."""
+training loss since the last log (`train_loss_step`), the learning rate (`lr`, or `lr/group_N`), the
+total gradient norm (`grad_norm`) and the epoch the step is in (`epoch`, as Lightning logs it)."""
 
 import math
 
@@ -61,7 +61,7 @@ class StepLog:
         """Whether optimizer step `step` (counted from 1) is logged."""
         return step % self.every == 0
 
-    def record(self, step: int, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor | None,
+    def record(self, step: int, epoch: int, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor | None,
                metrics: MetricSink, peers: Peers | None = None) -> None:
         """Log the step's metrics; call it after the optimizer step and before the schedule moves
         the lr, so `lr` is the one this step used."""
@@ -69,7 +69,7 @@ class StepLog:
         loss_sum, samples = self.pending.total.item(), self.pending.samples
         if peers is not None:
             loss_sum, samples = peers.sum([loss_sum, samples])
-        values = lr_metrics(current_lrs(optimizer))
+        values = {"epoch": float(epoch), **lr_metrics(current_lrs(optimizer))}
         if samples:  # none when trainer.on_nonfinite=skip_step skipped every step since the last log
             values["train_loss_step"] = loss_sum / samples
         if grad_norm is not None:

@@ -1,0 +1,58 @@
+"""The names MLflow shows: metrics grouped by prefix, one chart section each, and dlpipe's own names
+back from them (tracking/metric_names.py); run names that say what differs (tracking/run_names.py);
+the dataset as a run input (tracking/dataset_input.py)."""
+
+import pytest
+
+from dlpipe.tasks.fit_checks import TELEMETRY_METRICS
+from dlpipe.tracking.dataset_input import describe, mlflow_inputs
+from dlpipe.tracking.metric_names import dlpipe_name, mlflow_name
+from dlpipe.tracking.run_names import job_name, sweep_name
+from dlpipe.tracking.sweep import swept_keys
+
+
+@pytest.mark.parametrize("name, shown", [
+    ("train_loss", "train/loss"), ("train_loss_step", "train/loss_step"), ("val_loss", "val/loss"),
+    ("val_r2", "val/r2"), ("lr", "train/lr"), ("lr/group_1", "train/lr_group_1"),
+    ("epoch_lr/group_0", "train/epoch_lr_group_0"), ("grad_norm", "train/grad_norm"),
+    ("samples_per_s", "perf/samples_per_s"), ("data_wait_frac", "loader/data_wait_frac"),
+    ("cpu_util", "system/cpu_util"), ("epoch", "epoch"), ("my_callbacks_metric", "my_callbacks_metric"),
+])
+def test_names_are_grouped_by_prefix_and_read_back(name, shown):
+    assert mlflow_name(name) == shown and dlpipe_name(shown) == name
+
+
+def test_every_epoch_metric_has_a_section_and_mlflows_own_stay_apart():
+    assert all("/" in mlflow_name(name) for name in TELEMETRY_METRICS)
+    # MLflow's system metrics (MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING) share system/ under their own names
+    assert dlpipe_name("system/cpu_utilization_percentage") == "system/cpu_utilization_percentage"
+    assert mlflow_name("system/cpu_utilization_percentage") == "system/cpu_utilization_percentage"
+
+
+def test_run_names_say_what_differs_in_a_few_characters():
+    swept = swept_keys(["loader.num_workers=0,2", "+loader.pin_memory=true,false", "trainer.epochs=2",
+                        "model=cnn,mlp", "trainer.progress=false"])
+    assert swept == ["loader.num_workers", "loader.pin_memory", "model"]
+    job = ["loader.num_workers=2", "+loader.pin_memory=true", "trainer.epochs=2", "model=mlp",
+           "trainer.progress=false"]
+    assert job_name("smoke", job, swept) == "num_workers=2 pin_memory=true model=mlp"
+    assert sweep_name("smoke", ["loader.num_workers=0,2", "trainer.epochs=2"], swept) == "sweep smoke: num_workers=0,2"
+    # a run of its own: recipe and overrides, less the noise; keys that end alike stay whole; secrets masked
+    assert job_name("vision", ["trainer.epochs=3", "model.width=8", "dataset.width=8", "trainer.progress=false",
+                               "tracking.uri=http://u:pw@host", "+dataset.api_key=SECRET"]) == \
+        "vision epochs=3 model.width=8 dataset.width=8 api_key=***"
+
+
+def test_a_dataset_in_a_folder_is_a_local_source_and_its_digest_follows_its_config(tmp_path):
+    config = {"_target_": "dlpipe.data.vision.ImageFolderDataset", "root": str(tmp_path), "api_token": "SECRET"}
+    described = describe(config, {"train": 90, "validation": 10})
+    [train, val] = mlflow_inputs(described)
+    assert (train.dataset.name, train.dataset.source_type) == ("ImageFolderDataset", "local")
+    assert str(tmp_path) in train.dataset.source and "SECRET" not in str(described)
+    assert [i.tags[0].value for i in (train, val)] == ["train", "validation"]
+    assert (train.dataset.profile, val.dataset.profile) == ('{"samples": 90}', '{"samples": 10}')
+    # each split a dataset of its own (MLflow keeps one input per dataset and run)
+    assert train.dataset.digest != val.dataset.digest
+    digest = described["splits"]["train"]["digest"]
+    assert describe(config, {"train": 90})["splits"]["train"]["digest"] == digest  # same data, same settings
+    assert describe({**config, "image_size": 64}, {"train": 90})["splits"]["train"]["digest"] != digest
