@@ -9,22 +9,18 @@ import json
 import os
 
 from dlpipe.redact import redact_overrides, redact_text
+from dlpipe.tracking.sweep_jobs import override_key
 
 SWEPT_KEYS_ENV = "DLPIPE_SWEPT_KEYS"  # the sweep's swept keys (JSON), set by tracking.sweep for its jobs
 # Settings that say nothing about the run: how it is printed and where it is tracked.
 NOT_NAMED = ("recipe", "trainer.progress", "tracking.", "hydra.")
 
 
-def key_of(override: str) -> str:
-    """`+loader.pin_memory=true` -> `loader.pin_memory`."""
-    return override.partition("=")[0].lstrip("+~")
-
-
 def short(overrides: list[str]) -> list[str]:
     """`loader.num_workers=2` -> `num_workers=2`, the full key where two of them end alike
     (`model.width=8 dataset.width=8`); secrets masked."""
     overrides = redact_overrides(overrides)
-    leaves = [key_of(o).rpartition(".")[2] for o in overrides]
+    leaves = [override_key(o).rpartition(".")[2] for o in overrides]
     shown = []
     for override, leaf in zip(overrides, leaves, strict=True):
         _, eq, value = override.partition("=")
@@ -36,13 +32,13 @@ def short(overrides: list[str]) -> list[str]:
 
 
 def named(overrides: list[str]) -> list[str]:
-    return [o for o in overrides if not key_of(o).startswith(NOT_NAMED)]
+    return [o for o in overrides if not override_key(o).startswith(NOT_NAMED)]
 
 
 def job_name(recipe: str | None, overrides: list[str], swept: list[str] | None = None) -> str:
     """A sweep job (`swept` given): its swept values; a run of its own: the recipe and its overrides."""
     if swept:
-        own = [o for o in overrides if key_of(o) in swept]
+        own = [o for o in overrides if override_key(o) in swept]
         if own:
             return redact_text(" ".join(short(own)))
     return redact_text(" ".join([recipe or "dlpipe", *short(named(overrides))]))
@@ -50,7 +46,7 @@ def job_name(recipe: str | None, overrides: list[str], swept: list[str] | None =
 
 def sweep_name(recipe: str | None, overrides: list[str], swept: list[str]) -> str:
     """`sweep smoke: num_workers=0,2`: the parent of a sweep over `swept` keys."""
-    shown = short([o for o in overrides if key_of(o) in swept])
+    shown = short([o for o in overrides if override_key(o) in swept])
     return redact_text(f"sweep {recipe or 'dlpipe'}" + (": " + " ".join(shown) if shown else ""))
 
 

@@ -27,10 +27,10 @@ from dlpipe.stop import STOP_SIGNALS, Terminated
 from dlpipe.tracking.client import client_for, experiment_id
 from dlpipe.tracking.context_tags import context_tags
 from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG
-from dlpipe.tracking.run_names import SWEPT_KEYS_ENV, key_of, sweep_name
+from dlpipe.tracking.run_names import SWEPT_KEYS_ENV, sweep_name
 from dlpipe.tracking.sweep_advice import CHECK_TAG, withdrawn_advice
 from dlpipe.tracking.sweep_chart import sweep_plot
-from dlpipe.tracking.sweep_jobs import Job, best_job, sweep_jobs
+from dlpipe.tracking.sweep_jobs import Job, best_job, override_key, sweep_jobs
 from dlpipe.tracking.sweep_report import sweep_table
 
 log = logging.getLogger("dlpipe")
@@ -47,7 +47,8 @@ def swept_keys(overrides: list[str]) -> list[str]:
     """The keys a sweep's overrides sweep (`a=1,2`, `range(...)`, `choice(...)`...), by Hydra's own parser."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    return [key_of(o.input_line) for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [override_key(o.input_line) for o in parsed if o.is_sweep_override()]
 
 
 def tag_value(text: str) -> str:
