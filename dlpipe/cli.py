@@ -121,10 +121,18 @@ def _job(cfg: DictConfig):
         export_submitit_env()
         from dlpipe.tasks.writable import check_writable
 
-        raw, resolved = resolve(cfg)
-        if resolved.get("task") != "plan":  # a plan writes nothing
-            check_writable(ctx, resolved)  # every folder the job writes, before anything is built
-        return _task_module(cfg.get("task", "train")).run(ctx, raw, resolved)
+        task = _task_module(cfg.get("task", "train"))
+        # A task that starts work before the config resolves (train: its tracking process) takes it in run().
+        early = getattr(task, "start_early", None)
+        sidecar = early(cfg) if early else None
+        try:
+            raw, resolved = resolve(cfg)
+            if resolved.get("task") != "plan":  # a plan writes nothing
+                check_writable(ctx, resolved)  # every folder the job writes, before anything is built
+            return task.run(ctx, raw, resolved, sidecar) if early else task.run(ctx, raw, resolved)
+        finally:
+            if sidecar is not None:
+                sidecar.close()
     except KeyboardInterrupt:
         print("dlpipe: interrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(130)

@@ -161,9 +161,10 @@ class TrackingConfig:
     dlpipe's, sampled by MLflow's monitor thread every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds
     (10 by default); the config follows MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING. Off by default, as in MLflow."""
     log_model: str = "none"
-    """The checkpoint the run stores as its artifact `model/` when training ends: none, best (best.pt,
-    the best monitored epoch) or last (the newest epoch). None by default, as Lightning's MLFlowLogger
-    and HF Trainer: a model can be large, and the checkpoints stay in the output folder either way."""
+    """The checkpoint the run stores when training ends, as its artifact `checkpoints/` and as an MLflow
+    PyTorch model named `model` (where the model pickles): none, best (best.pt, the best monitored
+    epoch) or last (the newest epoch). None by default, as Lightning's MLFlowLogger and HF Trainer: a
+    model can be large, and the checkpoints stay in the output folder either way."""
 
 
 @dataclass

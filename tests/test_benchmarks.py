@@ -95,9 +95,12 @@ def test_startup_runs_and_reports_what_printing_a_config_imports(tmp_path):
     r = run(["-m", "benchmarks.startup", "--rounds", "1", "--warmup", "0", "--out", str(out)], cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr
     rows = {row[0]: row for row in table_rows(out.read_text())[2:]}
-    assert len(rows) == 7
+    assert len(rows) == 9
     assert rows["dlpipe --cfg job"][3] == "torch=False mlflow=False"
     assert rows["dlpipe --help"][3] == "torch=False mlflow=False"
+    # a tracked run: mlflow is its tracking process's import, not the training process's
+    assert rows["dlpipe with MLflow (SQLite): first optimizer step"][3] == "torch=True mlflow=False"
+    assert out.read_text().count("- tracking's launch cost, ") == 2
 
 
 def test_data_wait_runs_and_writes_its_table(tmp_path):

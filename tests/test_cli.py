@@ -289,14 +289,33 @@ def test_mlflow_run_id_continues_a_given_run(dlpipe, tmp_path, mlflow_store, mlf
 
 @pytest.mark.parametrize("which, expected", [("best", "best.pt"), ("last", "epoch-0002.pt")])
 def test_log_model_stores_the_checkpoint_with_the_run(dlpipe, tmp_path, mlflow_store, mlflow_client, which, expected):
-    """tracking.log_model=best|last: the run's artifact model/ holds that checkpoint, byte for byte."""
+    """tracking.log_model=best|last: the run's artifact checkpoints/ holds that checkpoint, byte for byte,
+    and the run's logged model (an MLflow PyTorch model, in the run's experiment, at the checkpoint's
+    step) loads with mlflow.pytorch.load_model holding its weights, with the signature of its input."""
+    import mlflow
+    import torch
+
     r = dlpipe(*FAST, "trainer.epochs=2", f"tracking.log_model={which}", f"hydra.run.dir={tmp_path / 'run'}",
                f"tracking.uri={mlflow_store}", f"tracking.experiment=log-model-{which}")
     assert r.returncode == 0, r.stderr
     [run] = runs_of(mlflow_client, f"log-model-{which}")
-    assert [a.path for a in mlflow_client.list_artifacts(run.info.run_id, "model")] == [f"model/{expected}"]
-    stored = mlflow_client.download_artifacts(run.info.run_id, f"model/{expected}", str(tmp_path))
-    assert open(stored, "rb").read() == (tmp_path / "run" / "checkpoints" / expected).read_bytes()
+    assert [a.path for a in mlflow_client.list_artifacts(run.info.run_id, "checkpoints")] == [f"checkpoints/{expected}"]
+    checkpoint = tmp_path / "run" / "checkpoints" / expected
+    stored = mlflow_client.download_artifacts(run.info.run_id, f"checkpoints/{expected}", str(tmp_path))
+    assert open(stored, "rb").read() == checkpoint.read_bytes()
+    [output] = run.outputs.model_outputs
+    state = torch.load(checkpoint, weights_only=True)
+    logged = mlflow_client.get_logged_model(output.model_id)
+    assert (logged.status, logged.experiment_id, logged.source_run_id) == ("READY", run.info.experiment_id,
+                                                                         run.info.run_id)
+    assert output.step == state["step"]
+    mlflow.set_tracking_uri(mlflow_store)
+    loaded = mlflow.pytorch.load_model(f"models:/{output.model_id}")
+    assert loaded.state_dict().keys() == state["model"].keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state["model"].items())
+    signature = mlflow.models.get_model_info(f"models:/{output.model_id}").signature
+    assert tuple(signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == (-1, 3, 28, 28)  # the smoke crops
+    assert not (tmp_path / "run" / "mlflow_model.pt").exists()  # handed over, then removed
 
 
 def test_all_problems_reported_together(dlpipe):

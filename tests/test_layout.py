@@ -64,6 +64,7 @@ def test_only_the_cli_config_build_and_the_sweep_callback_touch_hydra():
 
 def test_tracking_and_the_config_layer_never_import_torch():
     code = ("import sys, dlpipe.tracking.run, dlpipe.tracking.outbox, dlpipe.tracking.sweep_report, dlpipe.stop, "
+            "dlpipe.tracking.sidecar, dlpipe.tracking.sidecar_run, dlpipe.tracking.pytorch_model, "
             "dlpipe.config.decisions, dlpipe.config.validation, dlpipe.loader.policy, dlpipe.loader.lint; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

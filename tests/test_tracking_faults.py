@@ -14,6 +14,7 @@ import threading
 from dataclasses import asdict
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import NO_PHONE_HOME, TESTS_DIR, epochs_logged, runs_of
 from mlflow_server import free_port, start_server, stop_tree
@@ -23,6 +24,8 @@ from dlpipe.tracking.abandoned import MARKER_FILE, Owner
 from dlpipe.tracking.client import client_for
 from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox
 from dlpipe.tracking.run import MlflowRun
+from dlpipe.tracking.sidecar import MODULE as SIDECAR_MODULE
+from dlpipe.tracking.sidecar import ORPHANED
 from dlpipe.tracking.store_lock import store_opening
 
 WARNING = "tracking server unreachable"
@@ -97,10 +100,27 @@ def spawn(cwd: Path, log: Path, *args: str, env: dict | None = None) -> subproce
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
-def kill(proc: subprocess.Popen) -> None:
+def kill(proc: subprocess.Popen, tracker: psutil.Process | None = None) -> None:
+    """SIGKILL a dlpipe process; with `tracker` (tracking_process) its tracking process first."""
+    if tracker is not None and tracker.is_running():
+        tracker.kill()
+        tracker.wait(timeout=60)
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
+
+
+def tracking_process(proc: subprocess.Popen) -> psutil.Process:
+    """The tracking process (tracking.sidecar) of a running dlpipe job, once it has started it."""
+    found: list[psutil.Process] = []
+
+    def started() -> bool:
+        found[:] = [c for c in psutil.Process(proc.pid).children() if SIDECAR_MODULE in c.cmdline()]
+        return bool(found) or proc.poll() is not None
+
+    wait_for(started, proc, "the tracking process")
+    assert found, "the job ended before it started a tracking process"
+    return found[0]
 
 
 # -- 1. concurrent first use of a SQLite store ------------------------------------------------
@@ -169,8 +189,34 @@ def test_owner_gone_or_alive():
     assert "ran on host elsewhere, which cannot be checked" in Owner("elsewhere", me.pid, me.started).gone()
 
 
+def test_a_training_process_killed_outright_has_its_run_ended_by_its_tracking_process(tmp_path):
+    """SIGKILL of the training process after its first epoch (with DataLoader workers, which inherit
+    the pipe): its tracking process sees the pipe close, ends the run KILLED with the reason, keeps
+    the epoch it was sent, and exits. Nothing is left RUNNING, nothing waits for a later job."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = spawn(tmp_path, tmp_path / "job.txt", "--config-dir", str(TESTS_DIR / "conf"), "dataset=slow",
+                "dataset.size=400", "dataset.delay_s=0.005", "model=mlp", "model.in_features=4",
+                "loader.num_workers=1", "loader.persistent_workers=true", "trainer.progress=false",
+                "trainer.epochs=50", "trainer.val_fraction=0", f"tracking.uri={store}", "tracking.experiment=k",
+                "hydra.run.dir=out")
+    try:
+        tracker = tracking_process(job)
+        wait_for(lambda: (tmp_path / "out" / "checkpoints" / "epoch-0001.pt").exists() or job.poll() is not None,
+                 job, "epoch 1")
+        assert job.poll() is None, (tmp_path / "job.txt").read_text()
+    finally:
+        kill(job)
+    tracker.wait(timeout=60)  # it ended the run and exited by itself
+    [run] = runs_of(client_for(store, 10, 0), "k")
+    assert run.info.status == "KILLED"
+    assert run.data.tags["dlpipe.end_reason"] == ORPHANED
+    assert 1 in epochs_logged(client_for(store, 10, 0), run.info.run_id, "perf/epoch_time_s")
+    assert json.loads((tmp_path / "out" / MARKER_FILE).read_text())["pid"] == tracker.pid
+
+
 def test_rerun_ends_the_run_a_killed_job_left_running(tmp_path):
-    """A job SIGKILLed before its first checkpoint leaves its run RUNNING; the next job in the same
+    """A job whose training and tracking processes are both SIGKILLed before its first checkpoint
+    (the OOM killer, a node's cgroup torn down) leaves its run RUNNING; the next job in the same
     output folder ends it KILLED (tagged as found abandoned) and trains in a new run."""
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = ["--config-dir", str(TESTS_DIR / "conf"), "dataset=slow", "model=mlp", "model.in_features=4",
@@ -178,11 +224,11 @@ def test_rerun_ends_the_run_a_killed_job_left_running(tmp_path):
               f"tracking.uri={store}", "tracking.experiment=abandoned", "hydra.run.dir=out"]
     first = spawn(tmp_path, tmp_path / "first.txt", *common, "dataset.size=4000", "dataset.delay_s=0.01")
     try:
+        tracker = tracking_process(first)
         wait_for(lambda: (tmp_path / "out" / MARKER_FILE).exists() or first.poll() is not None, first, "the run")
         assert first.poll() is None, (tmp_path / "first.txt").read_text()
-        killed_pid = first.pid
     finally:
-        kill(first)
+        kill(first, tracker)
     assert not list((tmp_path / "out").glob("checkpoints/*.pt"))  # killed before its first checkpoint
     again = spawn(tmp_path, tmp_path / "again.txt", *common, "dataset.size=40", "dataset.delay_s=0")
     try:
@@ -192,7 +238,8 @@ def test_rerun_ends_the_run_a_killed_job_left_running(tmp_path):
     assert "was left RUNNING" in (tmp_path / "again.txt").read_text()
     runs = {r.info.status: r for r in runs_of(client_for(store, 10, 0), "abandoned")}
     assert sorted(runs) == ["FINISHED", "KILLED"]
-    assert runs["KILLED"].data.tags["dlpipe.end_reason"].startswith(f"found abandoned: its process {killed_pid} ")
+    # the marker names the process that kept the run: the tracking process
+    assert runs["KILLED"].data.tags["dlpipe.end_reason"].startswith(f"found abandoned: its process {tracker.pid} ")
     assert json.loads((tmp_path / "out" / MARKER_FILE).read_text())["run_id"] == runs["FINISHED"].info.run_id
 
 
@@ -218,8 +265,9 @@ def test_sync_ends_a_run_killed_during_an_outage_and_survives_broken_outboxes(tm
         proxy.stop()
         wait_for(lambda: _kept_metrics(outbox) or job.poll() is not None, job, "metrics kept in the outbox")
         assert job.poll() is None, log.read_text()
+        tracker = tracking_process(job)
     finally:
-        kill(job)
+        kill(job, tracker)  # both: a training process killed alone has its run ended by the other
     assert "end" not in outbox.read_text() and stat.S_IMODE(outbox.stat().st_mode) == 0o600
     broken = _broken_outboxes(tmp_path / "sweep", client, f"http://{proxy.url}")
 
@@ -237,7 +285,7 @@ def test_sync_ends_a_run_killed_during_an_outage_and_survives_broken_outboxes(tm
     assert broken["deleted"] in errors[2] and f"run {broken['alive']} is still RUNNING" in errors[3]
     [run] = runs_of(client, "killed-offline")
     assert run.info.status == "KILLED", r.stdout
-    assert run.data.tags["dlpipe.end_reason"].startswith(f"found abandoned: its process {job.pid} ")
+    assert run.data.tags["dlpipe.end_reason"].startswith(f"found abandoned: its process {tracker.pid} ")
     assert {1, 2} <= set(epochs_logged(client, run.info.run_id, "perf/epoch_time_s"))
     assert not outbox.exists() and all((tmp_path / "sweep" / str(i) / OUTBOX_FILE).exists() for i in range(1, 4))
     alive = client.get_run(broken["alive"])  # its writes delivered, its end left to its process

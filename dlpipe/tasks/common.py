@@ -224,8 +224,21 @@ def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
     }
 
 
-def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], resume_run_id: str | None = None):
-    """The job's MLflow run (a NullRun with tracking=none), as a context manager that ends it."""
+def start_tracking(tracking: TrackingConfig):
+    """The tracking process (tracking.sidecar), started before the job is built so that importing
+    mlflow and opening the store overlap the build; None with tracking off. open_run opens the
+    run in it; close() it if the job ends before."""
+    if not tracking.enabled:
+        return None
+    from dlpipe.tracking.sidecar_run import SidecarRun
+
+    return SidecarRun.start(tracking.uri, tracking.request_timeout_s, tracking.request_retries)
+
+
+def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], resume_run_id: str | None = None,
+             sidecar=None):
+    """The job's MLflow run (a NullRun with tracking=none), as a context manager that ends it: kept
+    in `sidecar` (start_tracking) when given, else in this process."""
     from dlpipe.tracking.null_run import NullRun
     from dlpipe.tracking.run import MlflowRun
 
@@ -236,15 +249,16 @@ def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], re
     # Named by what distinguishes it (tracking.run_names): in a sweep, its swept values
     swept = swept_keys_of_parent() if ctx.multirun else None
     name = redact_text(tracking.run_name) if tracking.run_name else job_name(ctx.recipe, ctx.overrides, swept)
+    args = dict(uri=tracking.uri, experiment=tracking.experiment, run_name=name, tags=tags,
+                parent_run_id=os.environ.get(PARENT_RUN_ENV) if ctx.multirun else None,
+                timeout_s=tracking.request_timeout_s, retries=tracking.request_retries,
+                resume_run_id=resume_run_id, outbox_path=ctx.output_dir / OUTBOX_FILE,
+                retry_every_s=tracking.retry_every_s, offline_wait_s=tracking.offline_wait_s,
+                marker_dir=ctx.output_dir)
+    if sidecar is not None:
+        return sidecar.open(**args)
     try:
-        return MlflowRun(
-            tracking.uri, tracking.experiment, name, tags,
-            parent_run_id=os.environ.get(PARENT_RUN_ENV) if ctx.multirun else None,
-            timeout_s=tracking.request_timeout_s, retries=tracking.request_retries,
-            resume_run_id=resume_run_id, outbox_path=ctx.output_dir / OUTBOX_FILE,
-            retry_every_s=tracking.retry_every_s, offline_wait_s=tracking.offline_wait_s,
-            marker_dir=ctx.output_dir,
-        )
+        return MlflowRun(**args)
     except DlpipeError:
         raise
     except Exception as e:  # MLflow raises many types for a bad URI or an unreachable server

@@ -12,19 +12,23 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from dlpipe.console import summary_table
 from dlpipe.redact import redact_text
-from dlpipe.schema import DlpipeConfig
+from dlpipe.schema import DlpipeConfig, TrackingConfig
 from dlpipe.stop import stop_gracefully
-from dlpipe.tasks.common import JobContext, open_run, preflight
+from dlpipe.tasks.common import JobContext, open_run, preflight, start_tracking
 from dlpipe.tasks.train_job import build_job
 from dlpipe.training import distributed
 
 log = logging.getLogger("dlpipe")
 
 
-def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
-    """Train one job; returns the last validation loss (for sweepers that minimise it)."""
+def run(ctx: JobContext, raw: dict, resolved: dict, sidecar=None) -> float | None:
+    """Train one job; returns the last validation loss (for sweepers that minimise it). `sidecar`:
+    the tracking process the CLI started (start_early), if it did; the CLI closes it."""
     ranks = distributed.ranks_from_env()
     trainer = resolved["trainer"]  # before validation: refuse a launch that cannot work first
     distributed.check_ranks(ranks, ctx.multirun, trainer["device"], os.environ, trainer["devices"])
@@ -37,29 +41,64 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float | None:
         trainer["device"] = distributed.device_for("cuda", ranks, torch.cuda.device_count())
     cfg, decided = preflight(raw, resolved, "train", ctx)
     if not ranks.distributed:
-        return train(ctx, raw, cfg, decided, distributed.SINGLE)
+        return train(ctx, raw, cfg, decided, distributed.SINGLE, sidecar)
     distributed.start(ranks, cfg.trainer.device)
     try:
         # Every rank resumes from and reports to rank 0's output directory (the others' own,
         # from their own clock, may differ by a second).
         ctx = replace(ctx, output_dir=Path(distributed.broadcast(str(ctx.output_dir))))
-        result = train(ctx, raw, cfg, decided, ranks)
+        result = train(ctx, raw, cfg, decided, ranks, sidecar)
         distributed.barrier()  # no rank tears its connections down while another still uses them
         return result
     finally:
         distributed.stop()
 
 
-def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks) -> float | None:
+def start_early(cfg: DictConfig):
+    """The tracking process (tracking.sidecar), started by the CLI before it resolves the config:
+    resolving imports torch (~1 s), and the process imports mlflow and opens the store meanwhile.
+    None off rank 0, with tracking off, or when the tracking keys do not resolve to usable values
+    (validation then says which, and train starts none)."""
+    try:
+        tracking = OmegaConf.to_container(cfg.tracking, resolve=True)
+    except OmegaConfBaseException:
+        return None
+    uri, timeout_s, retries = (tracking.get(k) for k in ("uri", "request_timeout_s", "request_retries"))
+    usable = isinstance(uri, str) and isinstance(timeout_s, int | float) and isinstance(retries, int)
+    if tracking.get("enabled") is not True or not usable or not distributed.ranks_from_env().is_main:
+        return None
+    from dlpipe.tracking.sidecar_run import SidecarRun
+
+    return SidecarRun.start(uri, timeout_s, retries)
+
+
+def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks, sidecar) -> float | None:
     from dlpipe.tracking.given_run import given_run_id
-    from dlpipe.training.requeue import submitit_signal
 
     given = given_run_id(cfg.tracking) if ranks.is_main else None  # MLFLOW_RUN_ID, before anything is built
-    job = build_job(ctx, raw, cfg, decided, ranks)
+    tracking = cfg.tracking if ranks.is_main else replace(cfg.tracking, enabled=False)
+    own = sidecar is None and tracking.enabled
+    if own:  # the CLI started none: the values it read were not usable as they were
+        sidecar = start_tracking(tracking)
+    try:
+        return train_tracked(ctx, raw, cfg, decided, ranks, tracking, given, sidecar)
+    finally:
+        if own:
+            sidecar.close()  # a job refused while it was built leaves no run (the process opened none)
+
+
+def train_tracked(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks,
+                  tracking: TrackingConfig, given: str | None, sidecar) -> float | None:
+    """Build the job, resume it, fit it inside its tracking run (`tracking`: this rank's settings,
+    off but on rank 0; `given`: MLFLOW_RUN_ID's run; `sidecar`: the started tracking process), report it."""
+    from dlpipe.training.requeue import submitit_signal
+
+    # Our own process must not be importing mlflow while the loader is measured.
+    job = build_job(ctx, raw, cfg, decided, ranks, before_measuring=sidecar.wait_prepared if sidecar else None)
     resume_run_id = job.resume() or given  # a checkpoint's own run first: it holds the epochs resumed
     job.start_worker_helpers()
-    tracking = cfg.tracking if ranks.is_main else replace(cfg.tracking, enabled=False)
-    with stop_gracefully(job.trainer.stop, submitit_signal()), open_run(ctx, tracking, job.tags, resume_run_id) as run:
+    with (stop_gracefully(job.trainer.stop, submitit_signal()),
+          open_run(ctx, tracking, job.tags, resume_run_id, sidecar) as run):
         job.run_id = run.run_id
         if tracking.system_metrics:
             run.watch_system()
@@ -75,7 +114,8 @@ def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str]
             run.log_artifact(path, "profile")
         model = job.model_file(tracking.log_model) if tracking.enabled and tracking.log_model != "none" else None
         if model is not None:
-            run.log_artifact(model, "model")  # the run's model, as MLflow's UI lists it
+            run.log_artifact(model, "checkpoints")  # as it is; "model" is the MLflow model's name
+            log_pytorch_model(run, job, model)
         verdict = job.record_outcome(run, history)
     if ranks.is_main:
         print(summary_table(history), flush=True)
@@ -83,6 +123,17 @@ def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str]
         if run.run_id:
             log.info("MLflow run %s (%s) in %s", run.run_id, run.status, redact_text(cfg.tracking.uri))
     return last_val_loss(history)
+
+
+def log_pytorch_model(run, job, checkpoint: Path) -> None:
+    """The checkpoint's weights as an MLflow PyTorch model too (tasks.logged_model), where it can."""
+    from dlpipe.loader.fetch import item_collate, unwrapped
+    from dlpipe.tasks.logged_model import export_model
+
+    exported = export_model(job.trainer.model, checkpoint, job.trainer.objective, unwrapped(job.loader.dataset),
+                            item_collate(job.loader), job.ctx.output_dir)
+    if exported is not None:
+        run.log_pytorch_model(*exported)
 
 
 def last_val_loss(history: list[dict[str, float]]) -> float | None:

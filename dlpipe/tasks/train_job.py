@@ -238,8 +238,10 @@ class TrainJob:
         return verdict
 
 
-def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks) -> TrainJob:
-    """Data, model, loaders, trainer, telemetry and checkpoint store, and the run's params and tags."""
+def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks,
+              before_measuring=None) -> TrainJob:
+    """Data, model, loaders, trainer, telemetry and checkpoint store, and the run's params and tags.
+    `before_measuring` is called before the loader is fitted to the data (which may time it)."""
     from dlpipe.loader.fetch import item_collate
     from dlpipe.tasks.build import (
         build_callbacks,
@@ -258,6 +260,8 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     # Ranks draw different dropout and augmentation; their weights agree (DDP copies rank 0's).
     seed_everything(cfg.trainer.seed + ranks.rank, cfg.trainer.deterministic)
     train_set, val_set, model, optimizer = build_data_and_model(cfg)
+    if before_measuring is not None:
+        before_measuring()
     fit_loader(raw, cfg, train_set, decided, ranks.world)
     train_plan, val_plan = build_loaders(cfg, train_set, val_set, ranks.rank, ranks.world)
     batches = epoch_batches(train_plan.loader, cfg.trainer.limit_train_batches)

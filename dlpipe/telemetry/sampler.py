@@ -89,6 +89,7 @@ LEVEL_KEYS = ("rss_mb", "workers_rss_mb", "worker_rss_max_mb", "workers_alive", 
 
 # How multiprocessing starts its helper processes: `python -c 'from multiprocessing.<name> import main...'`.
 HELPER_MARK = "from multiprocessing."
+TRACKING_MARK = "dlpipe.tracking.sidecar"  # `python -m` of dlpipe's tracking process (tracking.sidecar.MODULE)
 
 
 class ResourceSampler:
@@ -108,6 +109,7 @@ class ResourceSampler:
         self._main_cpu_s = 0.0  # this process's own cumulative CPU at the last sample
         self._workers_cpu_s = 0.0  # high-water mark of the descendants' cumulative CPU (see _sample)
         self._helpers: dict[int, bool] = {}  # pid -> is a multiprocessing helper (see _is_helper)
+        self._tracking: dict[int, bool] = {}  # pid -> is dlpipe's tracking process (_is_tracking)
         self._last_t = time.monotonic()
         self._samples: list[dict[str, float]] = []
         self._lock = threading.Lock()
@@ -160,6 +162,8 @@ class ResourceSampler:
         rss = biggest = workers = 0
         for p in self._proc.children(recursive=True):
             try:
+                if self._is_tracking(p):
+                    continue  # dlpipe's tracking process: neither the loader's CPU nor its memory
                 c = p.cpu_times()
                 helper = self._is_helper(p)
                 own = 0 if helper else p.memory_info().rss
@@ -172,6 +176,14 @@ class ResourceSampler:
                 biggest = max(biggest, own)
                 workers += 1
         return main, descendants, rss, biggest, workers
+
+    def _is_tracking(self, p: psutil.Process) -> bool:
+        """dlpipe's tracking process (tracking.sidecar), told by its command line. Cached by pid."""
+        known = self._tracking.get(p.pid)
+        if known is None:
+            known = TRACKING_MARK in p.cmdline()
+            self._tracking[p.pid] = known
+        return known
 
     def _is_helper(self, p: psutil.Process) -> bool:
         """multiprocessing's resource tracker or forkserver (spawn/forkserver start them): children

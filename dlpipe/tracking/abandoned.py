@@ -1,8 +1,10 @@
 """Runs whose process died without ending them (kill -9, the OOM killer, a lost node): found and ended.
 
-A process killed outright cannot end its MLflow run, which would stay RUNNING for ever. So each
-job records, in its output folder, which run it opened and which process it is (`mlflow_run.json`:
-run id, tracking URI without its password, host, pid, process start time). A later job in the same
+A process killed outright cannot end its MLflow run, which would stay RUNNING for ever. In
+training the run is kept by a tracking process (tracking.sidecar) that ends it when the training
+process dies; this covers the rest: both killed, or a task that keeps its run in its own process.
+Each job records, in its output folder, which run it opened and which process keeps it
+(`mlflow_run.json`: run id, tracking URI without its password, host, pid, process start time). A later job in the same
 folder, and `dlpipe sync`, read it: a run still RUNNING whose process is gone is ended KILLED, with
 `dlpipe.end_reason` saying it was found abandoned. A process on another host cannot be checked
 from here; it is taken as gone (an output folder is one job's at a time) and the reason says so.
@@ -20,11 +22,13 @@ import psutil
 from dlpipe.errors import first_line
 from dlpipe.redact import without_password
 from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox
+from dlpipe.tracking.sidecar import MODULE as SIDECAR_MODULE
 
 log = logging.getLogger(__name__)
 
 MARKER_FILE = "mlflow_run.json"
 END_REASON_TAG = "dlpipe.end_reason"
+PREVIOUS_WAIT_S = 120.0  # for an earlier job's tracking process to end its run (wait_for_previous_tracking)
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,10 @@ def close_previous(client, folder: Path, uri: str, resuming: str | None) -> None
     from mlflow.exceptions import MlflowException
 
     marker = read_marker(folder)
-    if marker is None or marker["run_id"] == resuming:
+    if marker is None:
+        return
+    wait_for_previous_tracking(Owner.from_dict(marker))
+    if marker["run_id"] == resuming:
         return
     run_id = marker["run_id"]
     if marker.get("uri") != without_password(uri):
@@ -130,6 +137,25 @@ def close_previous(client, folder: Path, uri: str, resuming: str | None) -> None
         log.warning("MLflow run %s of an earlier job here was left RUNNING (%s): ended KILLED", run_id, found)
     elif status == "RUNNING":
         log.warning("MLflow run %s of an earlier job here is still RUNNING (%s): left as it is", run_id, found)
+
+
+def wait_for_previous_tracking(owner: Owner | None, timeout_s: float = PREVIOUS_WAIT_S) -> None:
+    """An earlier job's tracking process (tracking.sidecar) still at work here, ending the run of a
+    training process that was killed (it waits up to tracking.offline_wait_s for an away server):
+    wait for it to exit, so that two processes never write one run or one outbox."""
+    if owner is None or owner.host != socket.gethostname() or owner.gone() is not None:
+        return
+    try:
+        proc = psutil.Process(owner.pid)
+        if SIDECAR_MODULE not in proc.cmdline():
+            return  # a training process of an older dlpipe, or another job's: close_previous decides
+        log.info("waiting for the earlier job's tracking process (pid %d) to end its run", owner.pid)
+        proc.wait(timeout_s)
+    except psutil.NoSuchProcess:
+        return  # it exited meanwhile
+    except (psutil.AccessDenied, psutil.TimeoutExpired) as e:
+        log.warning("the earlier job's tracking process (pid %d) is still running (%s): going on", owner.pid,
+                    type(e).__name__)
 
 
 def _outbox_run(folder: Path) -> str | None:

@@ -9,6 +9,7 @@ know (a user callback's own, MLflow's system metrics) is left as it is.
 """
 
 import re
+import time
 from functools import cache
 
 SECTIONS = {
@@ -60,3 +61,9 @@ def dlpipe_name(name: str) -> str:
 def dlpipe_names(metrics: dict[str, float]) -> dict[str, float]:
     """A run's metrics (MLflow's run.data.metrics) under dlpipe's names."""
     return {dlpipe_name(k): v for k, v in metrics.items()}
+
+
+def metric_rows(metrics: dict[str, float], step: int) -> list[tuple[str, float, int, int]]:
+    """(MLflow name, value, wall-clock ms, step) rows: plain tuples, cheap inside the training loop."""
+    ts = int(time.time() * 1000)
+    return [(mlflow_name(k), float(v), ts, step) for k, v in metrics.items()]

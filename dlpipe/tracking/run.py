@@ -1,6 +1,7 @@
 """MLflow runs: params, tags, metrics, artifacts, and the parent/child link of sweeps.
 
-mlflow is imported only when a run starts (it costs 1-2 s). Metrics are buffered in memory, as
+mlflow is imported only when a run starts (it costs 1-2 s); a training job keeps its run in a
+process of its own (tracking.sidecar), which pays that while the job is built. Metrics are buffered in memory, as
 plain tuples (0.35 us a metric), and written in batches when the runner calls `flush()` at the end
 of each epoch. Measured on 2 CPUs: a synchronous write to SQLite costs 2.5-16 ms per call, and
 MLflow's own asynchronous queue (`synchronous=False`) cost far more than it saves, because its
@@ -30,7 +31,7 @@ from dlpipe.stop import Terminated
 from dlpipe.tracking.abandoned import END_REASON_TAG, Owner, close_previous, write_marker
 from dlpipe.tracking.client import client_for, experiment_id
 from dlpipe.tracking.dataset_input import mlflow_inputs
-from dlpipe.tracking.metric_names import mlflow_name
+from dlpipe.tracking.metric_names import metric_rows
 from dlpipe.tracking.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, outage_reason, unreachable
 from dlpipe.tracking.store_lock import absolute_uri
 
@@ -55,15 +56,17 @@ class MlflowRun:
     def __init__(self, uri: str, experiment: str, run_name: str | None, tags: dict[str, str],
                  parent_run_id: str | None = None, timeout_s: float = 10.0, retries: int = 2,
                  resume_run_id: str | None = None, outbox_path: Path | None = None,
-                 retry_every_s: float = 30.0, offline_wait_s: float = 30.0, marker_dir: Path | None = None):
+                 retry_every_s: float = 30.0, offline_wait_s: float = 30.0, marker_dir: Path | None = None,
+                 client=None):
         """A new run, or with `resume_run_id` the run a checkpoint was written by, reopened.
 
         `outbox_path` is where writes the server could not take are kept while it is away.
         `marker_dir` (a job's output folder) records which run this process opened; a run an
-        earlier job there left RUNNING is ended first (tracking.abandoned).
+        earlier job there left RUNNING is ended first (tracking.abandoned). `client`: one already
+        opened on `uri` (tracking.run_process opens it while the job is being built).
         """
         self.uri = uri
-        self.client = client_for(uri, timeout_s, retries)
+        self.client = client if client is not None else client_for(uri, timeout_s, retries)
         self.experiment_id = experiment_id(self.client, experiment)
         self.status: str | None = None
         self._pending: list[tuple[str, float, int, int]] = []  # (key, value, timestamp ms, step)
@@ -192,16 +195,15 @@ class MlflowRun:
                     lambda: self.outbox.tags(tags))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Buffer metrics (with their step and wall-clock time); they are written by flush().
+        """Buffer metrics (with their step and wall-clock time); they are written by flush(). Called
+        inside the training loop, so it only appends tuples; MLflow's Metric entities are built when
+        the rows are written. Names are MLflow's (metric_names: `val_loss` is logged as `val/loss`)."""
+        self.write_rows(metric_rows(metrics, step), flush=False)
 
-        The runner calls this inside the training loop (every trainer.log_every steps), so it only
-        appends tuples; MLflow's Metric entities are built when the rows are written. Names are
-        MLflow's (tracking.metric_names: `val_loss` is logged as `val/loss`)."""
-        ts = int(time.time() * 1000)
-        pending = self._pending
-        for k, v in metrics.items():
-            pending.append((mlflow_name(k), float(v), ts, step))
-        if len(pending) >= MAX_PENDING_METRICS:
+    def write_rows(self, rows: list[tuple[str, float, int, int]], flush: bool = True) -> None:
+        """Rows made by `metric_rows`, buffered, then written (a flush) if `flush` or the buffer is full."""
+        self._pending.extend(rows)
+        if flush or len(self._pending) >= MAX_PENDING_METRICS:
             self.flush()
 
     def flush(self) -> None:
@@ -327,17 +329,21 @@ class MlflowRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            self.end("FINISHED")
-        elif issubclass(exc_type, KeyboardInterrupt):
-            self.end("KILLED", "interrupted (Ctrl-C)")
-        elif issubclass(exc_type, Terminated):
-            self.end("KILLED", f"terminated ({exc})")
-        else:
-            self.end("FAILED", f"{exc_type.__name__}: {' '.join(user_message(exc))}")
+        self.end(*end_status(exc_type, exc))
         return False  # never swallow the exception
+
+
+def end_status(exc_type, exc) -> tuple[str, str | None]:
+    """(status, reason) of a run whose block ended with this exception (None: it did not raise)."""
+    if exc_type is None:
+        return "FINISHED", None
+    if issubclass(exc_type, KeyboardInterrupt):
+        return "KILLED", "interrupted (Ctrl-C)"
+    if issubclass(exc_type, Terminated):
+        return "KILLED", f"terminated ({exc})"
+    return "FAILED", f"{exc_type.__name__}: {' '.join(user_message(exc))}"
+
 
 
 def _describe(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {what}" for what, n in counts.items())
-

@@ -1,0 +1,252 @@
+"""The training process's handle on its tracking process (tracking.sidecar): MlflowRun's interface,
+carried out over a pipe.
+
+`SidecarRun.start` launches the process, which imports mlflow and opens the store at once (the CLI
+starts it before it resolves the config: resolving imports torch). `wait_prepared` waits for that
+to be done: the loader is measured after it, so that our own process does not skew the timings (on
+2 vCPUs that share a core, its import slowed the main process's probe by a third). `open` (after
+the job is built) creates or reopens the run there and waits for its id. Every other call
+is sent and not waited for: metrics are buffered here as tuples and sent at each flush, so the
+training loop never waits for the store. A call that fails in the tracking process is raised here
+at the next call (the run's end included), as one line.
+"""
+
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import weakref
+from pathlib import Path
+
+from dlpipe.errors import DlpipeError
+from dlpipe.redact import redact_text
+from dlpipe.tracking.metric_names import metric_rows
+from dlpipe.tracking.run import MAX_PENDING_METRICS, end_status
+from dlpipe.tracking.sidecar import MODULE, Channel
+
+log = logging.getLogger(__name__)
+
+EXIT_WAIT_S = 30.0  # for the process to exit once its run ended (it ended the run first: nothing is lost)
+
+
+class SidecarRun:
+    """One MLflow run kept by a tracking process; a context manager that ends it with an honest status."""
+
+    run_id: str | None = None
+    status: str | None = None
+    resumed = False
+
+    def __init__(self, process: subprocess.Popen, channel: Channel, uri: str):
+        self._process, self._channel, self._uri = process, channel, uri
+        self._answers: queue.Queue = queue.Queue()
+        self._deferred: list[str] = []  # failures of calls not waited for, raised at the next call
+        self._rows: list[tuple[str, float, int, int]] = []
+        self._done = False
+        self._prepared = False
+        threading.Thread(target=self._read, name="dlpipe-tracking-pipe", daemon=True).start()
+
+    @classmethod
+    def start(cls, uri: str, timeout_s: float, retries: int) -> "SidecarRun":
+        """Launch the tracking process: it imports mlflow and opens the store while the job is built."""
+        to_child, from_parent = os.pipe()
+        to_parent, from_child = os.pipe()
+        process = subprocess.Popen(
+            [sys.executable, "-m", MODULE, str(to_child), str(from_child)], pass_fds=(to_child, from_child),
+            stdin=subprocess.DEVNULL, start_new_session=True)  # a terminal's Ctrl-C is the training process's
+        os.close(to_child)
+        os.close(from_child)
+        channel = Channel(to_parent, from_parent)
+        os.register_at_fork(after_in_child=_dropper(weakref.ref(channel)))
+        run = cls(process, channel, uri)
+        run._send("prepare", (uri, timeout_s, retries))
+        return run
+
+    def wait_prepared(self) -> None:
+        """Return once the process has imported mlflow and opened the store (or failed to: open says why)."""
+        if not self._prepared:
+            self._answer("prepare")
+            self._prepared = True
+
+    def open(self, **run_args) -> "SidecarRun":
+        """Create (or reopen) the run with MlflowRun's arguments; waits for it, raises its refusal."""
+        try:
+            self.wait_prepared()
+            self.run_id, self.resumed = self._ask("open", (run_args,))
+        except _Failed as f:
+            self.close()
+            if f.user:
+                raise DlpipeError(f.text) from None
+            raise DlpipeError(f"tracking.uri={redact_text(self._uri)}: cannot start an MLflow run "
+                              f"({f.kind}: {f.text}); use tracking=none to train without tracking") from None
+        return self
+
+    # What the job writes: sent, not waited for.
+    def log_params(self, params: dict[str, object], compared=None) -> None:
+        self._send("log_params", (params, None if compared is None else list(compared)))
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self._send("set_tags", (tags,))
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self._send("log_text", (text, artifact_file))
+
+    def log_inputs(self, described: dict) -> None:
+        self._send("log_inputs", (described,))
+
+    def log_artifact(self, path, artifact_path: str | None = None) -> None:
+        self._send("log_artifact", (str(Path(path).absolute()), artifact_path))
+
+    def log_pytorch_model(self, path: Path, step: int) -> None:
+        """The model tasks.logged_model wrote, logged as an MLflow PyTorch model (tracking.pytorch_model)."""
+        self._send("log_pytorch_model", (str(path), step))
+
+    def watch_system(self) -> None:
+        self._send("watch_system", ())
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Buffer metrics here (tuples: cheap inside the loop); flush() sends them."""
+        self._rows.extend(metric_rows(metrics, step))
+        if len(self._rows) >= MAX_PENDING_METRICS:
+            self.flush()
+
+    def flush(self) -> None:
+        rows, self._rows = self._rows, []
+        if rows:
+            self._send("write_rows", (rows,))
+
+    def end(self, status: str, reason: str | None = None) -> None:
+        """Send what is buffered, end the run (the tracking process waits for an away server as
+        MlflowRun.end does), then let the process exit. Failures of earlier calls are logged here,
+        not raised: the run has ended either way, and the job's own outcome is what the CLI reports."""
+        try:
+            self.flush()
+            self.status = self._ask("end", (status, reason), raise_deferred=False)
+        except _Failed as f:
+            log.error("MLflow run %s: ending it failed: %s", self.run_id, f.text)
+        finally:
+            for text in self._deferred:
+                log.error("MLflow run %s: %s", self.run_id, text)
+            self._deferred = []
+            self.close()
+
+    def close(self) -> None:
+        """Stop the process (it leaves a run it opened to end(); idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        if self._process.poll() is None:
+            if self.run_id is None:  # no run opened: nothing to lose (it ignores this while opening the store)
+                self._process.terminate()
+            try:
+                self._channel.send(("quit", ()))  # unread after an end: the process is leaving anyway
+            except OSError as e:  # it exited between poll() and send(): wait() below reaps it
+                log.debug("the tracking process left first: %s", e)
+            try:
+                self._process.wait(EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("the tracking process (pid %d) did not exit: killing it", self._process.pid)
+                self._process.kill()
+                self._process.wait()
+        self._channel.close()
+
+    def __enter__(self) -> "SidecarRun":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self.end(*end_status(exc_type, exc))
+        except DlpipeError as e:  # the process died: said, without hiding why the job itself ended
+            if exc_type is None:
+                raise
+            log.error("%s", e)
+        return False
+
+    def _send(self, call: str, args: tuple) -> None:
+        self._raise_deferred()
+        try:
+            self._channel.send((call, args))
+        except OSError as e:
+            raise self._gone(call) from e
+
+    def _ask(self, call: str, args: tuple, raise_deferred: bool = True):
+        """Send a call and wait for its answer (_answer)."""
+        self._send(call, args)
+        return self._answer(call, raise_deferred)
+
+    def _answer(self, call: str, raise_deferred: bool = True):
+        """The answer to `call`; the failures of earlier calls that come first are raised after it
+        (or, with raise_deferred False, left in _deferred)."""
+        while True:
+            message = self._answers.get()
+            if message[0] == "gone":
+                raise self._gone(call)
+            if message[0] == "done" and message[1] == call:
+                break
+            if message[0] == "failed" and message[1] == call:
+                raise _Failed(*message[2:])
+            if message[0] == "failed":
+                self._deferred.append(_Failed(*message[2:]).line(message[1]))
+        if raise_deferred:
+            self._raise_deferred()
+        return message[2]
+
+    def _raise_deferred(self) -> None:
+        while True:
+            try:
+                message = self._answers.get_nowait()
+            except queue.Empty:
+                break
+            if message[0] == "failed":
+                self._deferred.append(_Failed(*message[2:]).line(message[1]))
+            else:
+                self._answers.put(message)  # "gone": for _ask to see
+                break
+        if self._deferred:
+            first, self._deferred = self._deferred[0], []
+            raise DlpipeError(first)
+
+    def _read(self) -> None:
+        """The tracking process's messages: its log records logged here, answers to the caller."""
+        while True:
+            try:
+                message = self._channel.receive()
+            except Exception:  # EOF, a closed pipe or a message cut short: the process is gone
+                self._answers.put(("gone",))
+                return
+            if message[0] == "log":
+                _, level, name, text = message
+                logging.getLogger(name).log(level, "%s", text)
+            else:
+                self._answers.put(message)
+
+    def _gone(self, call: str) -> DlpipeError:
+        try:
+            code = self._process.wait(5)
+        except subprocess.TimeoutExpired:  # its pipe broke, yet it runs: say so rather than wait
+            code = "none yet"
+        return DlpipeError(f"tracking: the tracking process exited (code {code}) before {call}: MLflow run "
+                           f"{self.run_id or '(not opened)'} is ended by the next job in its output folder")
+
+
+def _dropper(channel_ref):
+    """The fork hook of one channel (hooks cannot be removed: once the channel is gone it does nothing)."""
+
+    def drop() -> None:
+        channel = channel_ref()
+        if channel is not None:
+            channel.drop_in_fork()
+
+    return drop
+
+
+class _Failed(Exception):
+    """A call the tracking process could not carry out."""
+
+    def __init__(self, kind: str, text: str, user: bool):
+        super().__init__(text)
+        self.kind, self.text, self.user = kind, redact_text(text), user
+
+    def line(self, call: str) -> str:
+        return self.text if self.user else f"tracking: {call} failed in the tracking process ({self.kind}: {self.text})"
