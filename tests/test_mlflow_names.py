@@ -56,3 +56,24 @@ def test_a_dataset_in_a_folder_is_a_local_source_and_its_digest_follows_its_conf
     digest = described["splits"]["train"]["digest"]
     assert describe(config, {"train": 90})["splits"]["train"]["digest"] == digest  # same data, same settings
     assert describe({**config, "image_size": 64}, {"train": 90})["splits"]["train"]["digest"] != digest
+
+
+def test_monitors_may_be_named_as_mlflow_shows_them(caplog):
+    """checkpoint, early-stopping and scheduler monitors given by MLflow's names are dlpipe's names
+    from then on (the log says so); dlpipe's own names and None are left as they are."""
+    import logging
+    from types import SimpleNamespace
+
+    from dlpipe.tasks.common import accept_mlflow_names
+
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(monitor="val/accuracy"),
+                          trainer=SimpleNamespace(early_stopping=SimpleNamespace(monitor=None)),
+                          scheduler={"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "monitor": "val/loss"})
+    with caplog.at_level(logging.INFO, logger="dlpipe"):
+        accept_mlflow_names(cfg)
+    assert (cfg.checkpoint.monitor, cfg.trainer.early_stopping.monitor, cfg.scheduler["monitor"]) == (
+        "val_accuracy", None, "val_loss")
+    assert "scheduler.monitor=val/loss: MLflow's name of val_loss" in caplog.text
+    caplog.clear()
+    accept_mlflow_names(cfg)  # dlpipe's names: nothing to say
+    assert cfg.checkpoint.monitor == "val_accuracy" and caplog.text == ""

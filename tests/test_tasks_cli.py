@@ -42,12 +42,14 @@ def test_dict_samples_and_a_model_that_computes_its_own_loss(tmp_path, dlpipe, m
     r = dlpipe("--config-dir", str(tmp_path / "mine"), "dataset=dicts", "model=selfloss", "loss=model",
                "batch.target=labels", "loader=in_memory", "loader.batch_size=32", "trainer.epochs=3", *QUIET,
                "+metrics.accuracy._target_=torchmetrics.classification.MulticlassAccuracy",
-               "+metrics.accuracy.num_classes=2", "checkpoint.monitor=val_accuracy",
+               "+metrics.accuracy.num_classes=2", "checkpoint.monitor=val/accuracy",  # as MLflow names it
                f"tracking.uri={mlflow_store}", "tracking.experiment=dicts")
     assert r.returncode == 0, r.stderr
     [run] = runs_of(mlflow_client, "dicts")
     assert run.info.status == "FINISHED"
     assert run.data.metrics["val/accuracy"] > 0.9, run.data.metrics
+    assert run.data.params["checkpoint.monitor"] == "val_accuracy"  # dlpipe's name, as the log said
+    assert "checkpoint.monitor=val/accuracy: MLflow's name of val_accuracy" in r.stdout
     losses = [loss for _, loss in epoch_history(mlflow_client, run.info.run_id, "train/loss")]
     assert len(losses) == 3 and losses[-1] < losses[0]  # the model's own loss is what was minimised
 
@@ -158,7 +160,7 @@ def test_eval_needs_weights_that_exist(tmp_path, dlpipe):
 
 def test_early_stopping_ends_a_run_whose_metric_stops_improving(dlpipe, mlflow_store, mlflow_client):
     r = dlpipe("+recipe=tabular", "dataset.size=512", "optim.lr=1e-9", "trainer.epochs=10", *QUIET,
-               "trainer.early_stopping.monitor=val_loss", "trainer.early_stopping.patience=2",
+               "trainer.early_stopping.monitor=val/loss", "trainer.early_stopping.patience=2",  # MLflow's name
                "trainer.early_stopping.min_delta=0.001", f"tracking.uri={mlflow_store}", "tracking.experiment=early")
     assert r.returncode == 0, r.stderr
     [run] = runs_of(mlflow_client, "early")

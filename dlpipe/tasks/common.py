@@ -52,12 +52,31 @@ def preflight(raw: dict, resolved: dict, task: str, ctx: JobContext) -> tuple[Dl
     if task != "train":
         check_single_process(os.environ, task)
     cfg = validate(resolved)
+    accept_mlflow_names(cfg)
     check_tracking_reachable(cfg.tracking)
     refuse_outside_training(task, ctx.multirun)  # MLFLOW_RUN_ID continues one training run
     decided = explain(raw, resolved, ctx.origin)
     for key, why in decided.items():
         log.info("%s = %s", key, why)
     return cfg, decided
+
+
+def accept_mlflow_names(cfg: DlpipeConfig) -> None:
+    """A monitored metric may be named as the MLflow UI shows it (`val/loss`, `val/accuracy`): each
+    monitor key so named is set to dlpipe's name for it (`val_loss`), and the log says so."""
+    from dlpipe.tracking.metric_names import dlpipe_name
+
+    def ours(key: str, name):
+        mapped = dlpipe_name(name) if isinstance(name, str) else name
+        if mapped != name:
+            log.info("%s=%s: MLflow's name of %s", key, name, mapped)
+        return mapped
+
+    cfg.checkpoint.monitor = ours("checkpoint.monitor", cfg.checkpoint.monitor)
+    stopping = cfg.trainer.early_stopping
+    stopping.monitor = ours("trainer.early_stopping.monitor", stopping.monitor)
+    if isinstance(cfg.scheduler, dict) and "monitor" in cfg.scheduler:
+        cfg.scheduler["monitor"] = ours("scheduler.monitor", cfg.scheduler["monitor"])
 
 
 @dataclass(frozen=True)
