@@ -13,7 +13,7 @@ from conftest import runs_of
 from dlpipe.errors import DlpipeError
 from dlpipe.telemetry.sampler import TRACKING_MARK, ResourceSampler
 from dlpipe.tracking.client import client_for
-from dlpipe.tracking.sidecar import MODULE
+from dlpipe.tracking.sidecar import MODULE, STOPPED
 from dlpipe.tracking.sidecar_run import SidecarRun
 
 
@@ -62,6 +62,29 @@ def test_a_failed_write_is_raised_at_the_next_call_and_the_run_still_ends(mlflow
     stored = client_for(mlflow_store, 10, 0).get_run(run.run_id)
     assert stored.info.status == "FAILED"
     assert stored.data.tags["dlpipe.end_reason"].startswith("DlpipeError: tracking: log_params failed")
+
+
+def test_a_failure_not_yet_raised_at_the_end_is_logged_and_the_run_still_ends(mlflow_store, tmp_path, caplog):
+    """A refused write whose failure arrives after the job's last call: end() sends the run's end all
+    the same (it never raises an earlier call's failure) and logs the failure."""
+    with opened(mlflow_store, "side-late", tmp_path) as run:
+        run.log_params({"bad?key": 1})
+        deadline = time.monotonic() + 60
+        while not run._failures and time.monotonic() < deadline:  # arrived, not yet raised
+            time.sleep(0.05)
+        assert run._failures
+    assert run.status == "FINISHED"
+    assert client_for(mlflow_store, 10, 0).get_run(run.run_id).info.status == "FINISHED"
+    assert "tracking: log_params failed in the tracking process (MlflowException: " in caplog.text
+
+
+def test_a_run_its_job_stopped_without_ending_is_ended_killed(mlflow_store, tmp_path):
+    """close() without end() (the job interrupted right after the run opened): the tracking process
+    ends the run KILLED, with the reason, before it exits."""
+    run = opened(mlflow_store, "side-stopped", tmp_path)
+    run.close()
+    stored = client_for(mlflow_store, 10, 0).get_run(run.run_id)
+    assert stored.info.status == "KILLED" and stored.data.tags["dlpipe.end_reason"] == STOPPED
 
 
 def test_a_job_refused_before_its_run_opens_leaves_no_store_and_no_process(tmp_path):

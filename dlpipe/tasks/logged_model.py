@@ -24,21 +24,24 @@ EXPORT_FILE = "mlflow_model.pt"  # in the output folder until the tracking proce
 def export_model(model: torch.nn.Module, checkpoint: Path, objective, train_set, collate_fn,
                  folder: Path) -> tuple[Path, int] | None:
     """(the file, the checkpoint's optimizer step) for the tracking process; None, with a warning,
-    when the model cannot be written whole."""
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    trained = copy.deepcopy(model).cpu()
-    trained.load_state_dict(state["model"])
-    trained.eval()
-    code_paths, requirements = code_of(trained)
-    example = input_example(objective, train_set, collate_fn)
+    when it cannot be written (the model does not pickle whole, the example cannot be fetched...):
+    training is over and went well, and the checkpoint artifact holds the weights. Moves `model`
+    to the CPU: a copy made on the GPU would need a second model's worth of its memory."""
     path = folder / EXPORT_FILE
     try:
-        torch.save({"model": trained, "example": example, "code_paths": code_paths,
-                    "pip_requirements": requirements}, path)
-    except (pickle.PicklingError, TypeError, AttributeError) as e:  # what torch.save raises for an unpicklable part
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        trained = copy.deepcopy(model.cpu())
+        trained.load_state_dict(state["model"])
+        trained.eval()
+        code_paths, requirements = code_of(trained)
+        torch.save({"model": trained, "example": input_example(objective, train_set, collate_fn),
+                    "code_paths": code_paths, "pip_requirements": requirements}, path)
+    except Exception as e:  # noqa: BLE001 - "where it can": any failure leaves the checkpoint artifact alone
         path.unlink(missing_ok=True)
-        log.warning("tracking.log_model: no MLflow PyTorch model (the model cannot be pickled whole: %s); the "
-                    "run's checkpoints/ artifact holds its weights", first_line(e))
+        why = "the model cannot be pickled whole" if isinstance(e, pickle.PicklingError | AttributeError) else (
+            type(e).__name__)
+        log.warning("tracking.log_model: no MLflow PyTorch model (%s: %s); the run's checkpoints/ artifact "
+                    "holds its weights", why, first_line(e))
         return None
     return path, int(state.get("step", 0))
 
@@ -58,8 +61,8 @@ def code_of(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     source = source.parent if source.name == "__init__.py" else source
     distributions = metadata.packages_distributions().get(top, [])
     if top != "dlpipe" and distributions and "site-packages" in source.parts:
-        name = distributions[0]
-        return [], [*requirements, f"{name}=={metadata.version(name)}"]
+        name = distributions[0]  # its version without a local label (+cu121): what an index serves
+        return [], [*requirements, f"{name}=={metadata.version(name).split('+')[0]}"]
     return [str(source)], requirements  # dlpipe's own models too: they load without dlpipe installed
 
 

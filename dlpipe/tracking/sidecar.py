@@ -29,6 +29,7 @@ from dlpipe.errors import DlpipeError, first_line
 MODULE = "dlpipe.tracking.sidecar"  # what its command line holds: the resource sampler leaves it out
 IGNORED_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)  # SIGTERM: see above
 ASKED = ("prepare", "open", "end")  # calls answered ("done"); the others are sent and not waited for
+STOPPED = "the training process stopped before it ended its run (interrupted while the run opened?)"
 ORPHANED = ("the training process ended without ending its run (killed by SIGKILL or the out-of-memory "
             "killer?): ended by dlpipe's tracking process")
 
@@ -64,13 +65,16 @@ class Channel:
         return pickle.load(self._in)
 
     def close(self) -> None:
+        failed = []
         with self._lock:
             self.fds = ()  # their numbers may be reused from here on: a later fork must not touch them
             for f in (self._out, self._in):
                 try:
                     f.close()
                 except OSError as e:  # the other side is gone: nothing is left to flush to it
-                    logging.getLogger(__name__).debug("closing the tracking pipe: %s", e)
+                    failed.append(e)
+        for e in failed:  # logged outside the lock: in the tracking process, logging sends through it
+            logging.getLogger(__name__).debug("closing the tracking pipe: %s", e)
 
 
 class _Forward(logging.Handler):
@@ -112,10 +116,10 @@ class Host:
             return log_pytorch_model(self.run, *args)
         return getattr(self.run, call)(*args)  # log_params, set_tags, write_rows, log_text, ...
 
-    def orphaned(self) -> None:
-        """The training process is gone: end its run, if it opened one that is still going."""
+    def orphaned(self, reason: str) -> None:
+        """The training process is gone or done without ending its run: end it, if it is still going."""
         if self.run is not None and self.run.status is None:
-            self.run.end("KILLED", ORPHANED)
+            self.run.end("KILLED", reason)
 
 
 def _client_if_store_exists(uri: str, timeout_s: float, retries: int):
@@ -140,37 +144,45 @@ def _client_if_store_exists(uri: str, timeout_s: float, retries: int):
 
 
 def serve(channel: Channel) -> None:
-    """Take calls until the run ends, the training process says it opens none, or it is gone."""
+    """Take calls until the run ends, the training process says it is done, or it is gone. Whatever
+    ends this loop (a broken pipe while answering, a message cut short), a run still going is ended."""
     try:
         _, settings = channel.receive()  # ("prepare", (uri, timeout_s, retries)): sent at once
-    except (EOFError, OSError, pickle.UnpicklingError):
+    except Exception:  # EOF, a closed pipe, a message cut short: the training process is gone
         return
     host = Host(*settings)
-    channel.send(("done", "prepare", None))  # the training process measures its loader only after this
-    while True:
-        try:
-            call, args = channel.receive()
-        except (EOFError, OSError, pickle.UnpicklingError):
-            host.orphaned()
-            return
-        if call == "quit":  # the job ended before its run opened
-            return
-        try:
-            result = host.handle(call, args)
-        except Exception as e:  # the training process raises it, as the call's own or at its next call
-            user = isinstance(e, DlpipeError)
-            channel.send(("failed", call, type(e).__name__, str(e) if user else first_line(e), user))
-        else:
-            if call in ASKED:
-                channel.send(("done", call, result))
-        if call == "end":
-            return
+    reason = ORPHANED
+    try:
+        channel.send(("done", "prepare", None))  # the training process measures its loader only after this
+        while True:
+            try:
+                call, args = channel.receive()
+            except Exception:  # EOF, a closed pipe, a message cut short: the training process is gone
+                return
+            if call == "quit":  # the job ended without ending a run it opened (interrupted while it opened)
+                reason = STOPPED
+                return
+            try:
+                result = host.handle(call, args)
+            except Exception as e:  # the training process raises it, as the call's own or at its next call
+                user = isinstance(e, DlpipeError)
+                channel.send(("failed", call, type(e).__name__, str(e) if user else first_line(e), user))
+            else:
+                if call in ASKED:
+                    channel.send(("done", call, result))
+            if call == "end":
+                return
+    finally:
+        host.orphaned(reason)
 
 
 def main(argv: list[str]) -> int:
     for signum in IGNORED_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    channel = Channel(int(argv[0]), int(argv[1]))
+    fds = (int(argv[0]), int(argv[1]))
+    for fd in fds:  # pass_fds made them inheritable: a process started from here must not hold the pipe
+        os.set_inheritable(fd, False)
+    channel = Channel(*fds)
     root = logging.getLogger()
     root.addHandler(_Forward(channel))
     root.setLevel(logging.INFO)

@@ -22,9 +22,10 @@ from pathlib import Path
 
 from dlpipe.errors import DlpipeError
 from dlpipe.redact import redact_text
+from dlpipe.tracking.abandoned import PREVIOUS_WAIT_S
 from dlpipe.tracking.metric_names import metric_rows
 from dlpipe.tracking.run import MAX_PENDING_METRICS, end_status
-from dlpipe.tracking.sidecar import MODULE, Channel
+from dlpipe.tracking.sidecar import ASKED, MODULE, Channel
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,11 @@ class SidecarRun:
     def __init__(self, process: subprocess.Popen, channel: Channel, uri: str):
         self._process, self._channel, self._uri = process, channel, uri
         self._answers: queue.Queue = queue.Queue()
-        self._deferred: list[str] = []  # failures of calls not waited for, raised at the next call
+        self._failures: list[str] = []  # failures of calls not waited for (appended by _read), raised at the next call
         self._rows: list[tuple[str, float, int, int]] = []
         self._done = False
         self._prepared = False
+        self._exit_wait_s = EXIT_WAIT_S
         threading.Thread(target=self._read, name="dlpipe-tracking-pipe", daemon=True).start()
 
     @classmethod
@@ -71,6 +73,9 @@ class SidecarRun:
 
     def open(self, **run_args) -> "SidecarRun":
         """Create (or reopen) the run with MlflowRun's arguments; waits for it, raises its refusal."""
+        # Opening may wait for an earlier job's tracking process, and an interrupted opening ends
+        # its run only after it: close() waits that long before it kills the process.
+        self._exit_wait_s = EXIT_WAIT_S + PREVIOUS_WAIT_S + run_args.get("offline_wait_s", 30.0)
         try:
             self.wait_prepared()
             self.run_id, self.resumed = self._ask("open", (run_args,))
@@ -121,14 +126,15 @@ class SidecarRun:
         MlflowRun.end does), then let the process exit. Failures of earlier calls are logged here,
         not raised: the run has ended either way, and the job's own outcome is what the CLI reports."""
         try:
-            self.flush()
-            self.status = self._ask("end", (status, reason), raise_deferred=False)
+            rows, self._rows = self._rows, []
+            if rows:
+                self._send("write_rows", (rows,), check=False)
+            self.status = self._ask("end", (status, reason), check=False)
         except _Failed as f:
             log.error("MLflow run %s: ending it failed: %s", self.run_id, f.text)
         finally:
-            for text in self._deferred:
+            for text in self._take_failures():
                 log.error("MLflow run %s: %s", self.run_id, text)
-            self._deferred = []
             self.close()
 
     def close(self) -> None:
@@ -144,7 +150,7 @@ class SidecarRun:
             except OSError as e:  # it exited between poll() and send(): wait() below reaps it
                 log.debug("the tracking process left first: %s", e)
             try:
-                self._process.wait(EXIT_WAIT_S)
+                self._process.wait(self._exit_wait_s)
             except subprocess.TimeoutExpired:
                 log.warning("the tracking process (pid %d) did not exit: killing it", self._process.pid)
                 self._process.kill()
@@ -163,49 +169,44 @@ class SidecarRun:
             log.error("%s", e)
         return False
 
-    def _send(self, call: str, args: tuple) -> None:
-        self._raise_deferred()
+    def _send(self, call: str, args: tuple, check: bool = True) -> None:
+        """Send a call; with `check`, first raise what an earlier call's failure says."""
+        if check:
+            self._raise_failures()
         try:
             self._channel.send((call, args))
         except OSError as e:
             raise self._gone(call) from e
 
-    def _ask(self, call: str, args: tuple, raise_deferred: bool = True):
+    def _ask(self, call: str, args: tuple, check: bool = True):
         """Send a call and wait for its answer (_answer)."""
-        self._send(call, args)
-        return self._answer(call, raise_deferred)
+        self._send(call, args, check)
+        return self._answer(call)
 
-    def _answer(self, call: str, raise_deferred: bool = True):
-        """The answer to `call`; the failures of earlier calls that come first are raised after it
-        (or, with raise_deferred False, left in _deferred)."""
+    def _answer(self, call: str):
+        """The answer to `call` (one of sidecar.ASKED); its failure raised as _Failed."""
         while True:
             message = self._answers.get()
             if message[0] == "gone":
                 raise self._gone(call)
-            if message[0] == "done" and message[1] == call:
-                break
-            if message[0] == "failed" and message[1] == call:
-                raise _Failed(*message[2:])
-            if message[0] == "failed":
-                self._deferred.append(_Failed(*message[2:]).line(message[1]))
-        if raise_deferred:
-            self._raise_deferred()
-        return message[2]
+            if message[1] == call:
+                if message[0] == "failed":
+                    raise _Failed(*message[2:])
+                return message[2]
 
-    def _raise_deferred(self) -> None:
-        while True:
-            try:
-                message = self._answers.get_nowait()
-            except queue.Empty:
-                break
-            if message[0] == "failed":
-                self._deferred.append(_Failed(*message[2:]).line(message[1]))
-            else:
-                self._answers.put(message)  # "gone": for _ask to see
-                break
-        if self._deferred:
-            first, self._deferred = self._deferred[0], []
-            raise DlpipeError(first)
+    def _take_failures(self) -> list[str]:
+        """The lines of the failures of calls not waited for, received so far (each taken once)."""
+        taken = self._failures[:len(self._failures)]
+        del self._failures[:len(taken)]
+        return taken
+
+    def _raise_failures(self) -> None:
+        """Raise the first failure of an earlier call not waited for; log any others."""
+        failures = self._take_failures()
+        for text in failures[1:]:
+            log.error("MLflow run %s: %s", self.run_id, text)
+        if failures:
+            raise DlpipeError(failures[0])
 
     def _read(self) -> None:
         """The tracking process's messages: its log records logged here, answers to the caller."""
@@ -218,6 +219,8 @@ class SidecarRun:
             if message[0] == "log":
                 _, level, name, text = message
                 logging.getLogger(name).log(level, "%s", text)
+            elif message[0] == "failed" and message[1] not in ASKED:  # raised at the next call
+                self._failures.append(_Failed(*message[2:]).line(message[1]))
             else:
                 self._answers.put(message)
 
