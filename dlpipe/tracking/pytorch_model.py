@@ -7,6 +7,7 @@ cannot be logged (the store away, a signature that cannot be inferred) costs a w
 run: its checkpoint artifact holds the same weights.
 """
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -51,10 +52,12 @@ def _log(run, path: Path, step: int) -> str:
     # made, beside the run) are that run's.
     mlflow.set_tracking_uri(run.uri)
     mlflow.set_experiment(experiment_id=run.experiment_id)
-    # pickle: any nn.Module that pickles (MLflow's default, pt2, traces the model with torch.export,
-    # which many models refuse)
+    # pickle: any nn.Module that pickles. MLflow's newer default, pt2, traces the model with
+    # torch.export, which many models refuse; MLflow releases before that choice only pickle.
+    chosen = {"serialization_format": "pickle"} if "serialization_format" in inspect.signature(
+        mlflow.pytorch.log_model).parameters else {}
     info = mlflow.pytorch.log_model(model, name=MODEL_NAME, run_id=run.run_id, step=step, signature=signature,
                                     code_paths=saved["code_paths"] or None, pip_requirements=saved["pip_requirements"],
-                                    serialization_format="pickle")
+                                    **chosen)
     log.info("tracking.log_model: logged as an MLflow PyTorch model too: models:/%s", info.model_id)
     return info.model_id
