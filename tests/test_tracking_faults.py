@@ -295,6 +295,46 @@ def test_sync_ends_a_run_killed_during_an_outage_and_survives_broken_outboxes(tm
     assert "OUTAGEPW" not in printed + _files_text(job_dir)
 
 
+def test_a_training_process_killed_alone_during_an_outage_has_its_end_kept_for_sync(tmp_path, server, dlpipe):
+    """The server goes away after epoch 1, then the training process alone is SIGKILLed: its tracking
+    process waits tracking.offline_wait_s, leaves the run's end (KILLED, with the reason) in the outbox
+    after the metrics it was sent, and exits; `dlpipe sync` delivers both, and the run ends as the
+    tracking process said, not as found abandoned."""
+    url, _ = server
+    client = client_for(url, 10, 0)
+    proxy = Proxy(url)
+    proxy.start()
+    job_dir, log = tmp_path / "job", tmp_path / "job.txt"
+    job = spawn(tmp_path, log, "--config-dir", str(TESTS_DIR / "conf"), "dataset=slow", "dataset.size=400",
+                "dataset.delay_s=0.005", "model=mlp", "model.in_features=4", "loader.num_workers=0",
+                "trainer.epochs=20", "trainer.val_fraction=0", "trainer.progress=false", f"hydra.run.dir={job_dir}",
+                f"tracking.uri=http://{proxy.url}", "tracking.experiment=killed-alone-offline",
+                "tracking.request_retries=0", "tracking.retry_every_s=1", "tracking.offline_wait_s=1")
+    outbox = job_dir / OUTBOX_FILE
+    try:
+        tracker = tracking_process(job)
+        wait_for(lambda: (job_dir / "checkpoints" / "epoch-0001.pt").exists() or job.poll() is not None, job, "epoch 1")
+        proxy.stop()
+        wait_for(lambda: _kept_metrics(outbox) or job.poll() is not None, job, "metrics kept in the outbox")
+        assert job.poll() is None, log.read_text()
+    finally:
+        kill(job)
+    tracker.wait(timeout=120)  # it waited for the server, then left the end in the outbox
+    kept = [json.loads(line) for line in outbox.read_text().splitlines()[1:]]
+    assert kept[-1]["end"] == "KILLED" and any(ORPHANED in json.dumps(e) for e in kept), kept
+    proxy.start()
+    try:
+        r = dlpipe("sync", str(job_dir))
+    finally:
+        proxy.stop()
+    assert r.returncode == 0, r.stderr
+    [run] = runs_of(client, "killed-alone-offline")
+    assert run.info.status == "KILLED" and run.data.tags["dlpipe.end_reason"] == ORPHANED
+    assert 1 in epochs_logged(client, run.info.run_id, "perf/epoch_time_s")
+    assert not outbox.exists()
+    assert "tracking server unreachable" in log.read_text()  # the tracking process's warning, logged by training
+
+
 def _kept_metrics(outbox: Path) -> bool:
     return outbox.exists() and '"metrics"' in outbox.read_text()
 
