@@ -138,7 +138,7 @@ class SidecarRun:
             self.close()
 
     def close(self) -> None:
-        """Stop the process (it leaves a run it opened to end(); idempotent)."""
+        """Stop the process; a run it opened that end() did not end, it ends KILLED first. Idempotent."""
         if self._done:
             return
         self._done = True
