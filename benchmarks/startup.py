@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="measured rounds after the warm-up (default 5)")
     p.add_argument("--warmup", type=int, default=1, choices=(0, 1),
                    help="a warm-up round first: page cache, the SQLite store's creation (default 1; 0: a smoke test)")
+    p.add_argument("--no-recipe-run", action="store_true",
+                   help="leave out the whole +recipe=smoke runs (the slowest pair; the suite's smoke test does)")
     p.add_argument("--out", type=Path, help="also write the markdown table to this file")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -80,13 +82,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def cases(tmp: Path) -> dict[str, list[str]]:
+def cases(tmp: Path, recipe_run: bool = True) -> dict[str, list[str]]:
     app = tmp / "minimal_app.py"
     app.write_text(MINIMAL_APP)
     plain = tmp / "plain_step.py"
     plain.write_text(PLAIN_STEP)
     py = sys.executable
-    return {
+    todo = {
         "minimal Hydra app --help": [py, str(app), "--help"],
         "dlpipe --help": [py, "-c", PROBE, "--help"],
         "minimal Hydra app --cfg job": [py, str(app), "--cfg", "job"],
@@ -96,10 +98,12 @@ def cases(tmp: Path) -> dict[str, list[str]]:
         # through PROBE: the table shows that the training process itself never imports mlflow
         "dlpipe with MLflow (SQLite): first optimizer step": [py, "-c", PROBE, *ONE_STEP,
                                                              f"tracking.uri=sqlite:///{tmp / 'm.db'}"],
-        "dlpipe +recipe=smoke tracking=none": [py, "-m", "dlpipe", *SMOKE, "tracking=none"],
-        "dlpipe +recipe=smoke with MLflow (SQLite)": [py, "-m", "dlpipe", *SMOKE,
-                                                      f"tracking.uri=sqlite:///{tmp / 's.db'}"],
     }
+    if recipe_run:
+        todo["dlpipe +recipe=smoke tracking=none"] = [py, "-m", "dlpipe", *SMOKE, "tracking=none"]
+        todo["dlpipe +recipe=smoke with MLflow (SQLite)"] = [py, "-m", "dlpipe", *SMOKE,
+                                                             f"tracking.uri=sqlite:///{tmp / 's.db'}"]
+    return todo
 
 
 def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
     env.update(PYTHONPATH=str(REPO), MLFLOW_DISABLE_TELEMETRY="true", DO_NOT_TRACK="true", HYDRA_FULL_ERROR="0")
     with tempfile.TemporaryDirectory(prefix="dlpipe-startup-") as tmp:
         tmp = Path(tmp)
-        todo = cases(tmp)
+        todo = cases(tmp, not args.no_recipe_run)
         for cmd in list(todo.values()) * args.warmup:
             timed(cmd, tmp, env)  # warm-up: page cache, the SQLite store's creation
         times = {name: [] for name in todo}
@@ -160,7 +164,7 @@ def main(argv=None) -> int:
               ("to the first optimizer step", "dlpipe with MLflow (SQLite): first optimizer step",
                "dlpipe tracking=none: first optimizer step"),
               ("a whole smoke run", "dlpipe +recipe=smoke with MLflow (SQLite)",
-               "dlpipe +recipe=smoke tracking=none"))),
+               "dlpipe +recipe=smoke tracking=none")) if tracked in times),
     ]
     text = "\n".join(lines) + "\n"
     print(text, end="")

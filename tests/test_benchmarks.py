@@ -92,15 +92,16 @@ def test_runner_overhead_runs_and_writes_its_table(tmp_path):
 
 def test_startup_runs_and_reports_what_printing_a_config_imports(tmp_path):
     out = tmp_path / "startup.md"
-    r = run(["-m", "benchmarks.startup", "--rounds", "1", "--warmup", "0", "--out", str(out)], cwd=REPO, timeout=600)
+    r = run(["-m", "benchmarks.startup", "--rounds", "1", "--warmup", "0", "--no-recipe-run", "--out", str(out)],
+            cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr
     rows = {row[0]: row for row in table_rows(out.read_text())[2:]}
-    assert len(rows) == 9
+    assert len(rows) == 7 and not [name for name in rows if "+recipe=smoke" in name]
     assert rows["dlpipe --cfg job"][3] == "torch=False mlflow=False"
     assert rows["dlpipe --help"][3] == "torch=False mlflow=False"
     # a tracked run: mlflow is its tracking process's import, not the training process's
     assert rows["dlpipe with MLflow (SQLite): first optimizer step"][3] == "torch=True mlflow=False"
-    assert out.read_text().count("- tracking's launch cost, ") == 2
+    assert out.read_text().count("- tracking's launch cost, ") == 1
 
 
 def test_data_wait_runs_and_writes_its_table(tmp_path):
@@ -210,8 +211,8 @@ def test_loader_backends_runs_and_writes_its_report(tmp_path):
     # A pipeline that gathers whole batches (rows) and one that cannot (JPEG + Python jitter), a grid of 0 and 1
     # worker, tiny sizes: about 8 s on 2 CPUs. The figures mean nothing; the report's structure is checked.
     out = tmp_path / "loader_backends.md"
-    r = run(["-m", "benchmarks.loader_backends", "--rounds", "1", "--repeats", "1", "--workers", "1", "--rows", "256",
-             "--images", "32", "--image-size", "16", "--python-ops", "64", "--warmup", "1",
+    r = run(["-m", "benchmarks.loader_backends", "--rounds", "1", "--held-out", "1", "--repeats", "1", "--workers", "1",
+             "--rows", "256", "--images", "32", "--image-size", "16", "--python-ops", "64", "--warmup", "1",
              "--pipelines", "rows,jpeg+python", "--out", str(out)], cwd=REPO)
     assert r.returncode == 0, r.stderr
     text = out.read_text()
@@ -225,9 +226,10 @@ def test_loader_backends_runs_and_writes_its_report(tmp_path):
         "oracle (best of the grid)", "auto (loader=auto)", "tune (dlpipe tune)", "PyTorch default",
         "Lightning's suggestion", "best process config", "best thread config"] * 2
     for row in configs:
-        assert float(row[4]) > 0  # the process tree's peak RSS, in MB
+        assert float(row[1]) > 0 and float(row[2]) > 0  # samples/s in the grid's and the held-out rounds
+        assert float(row[5]) > 0  # the process tree's peak RSS, in MB
     oracles, pytorch = configs[0::7], configs[3::7]
-    assert all(row[3] == "1.000" for row in oracles)
+    assert all(row[4] == "1.000" for row in oracles)
     assert all(row[0] == "PyTorch default: num_workers=0" for row in pytorch)
     lightning = max(1, len(os.sched_getaffinity(0)) - 1)  # Lightning's formula, one device
     assert configs[4][0] == (f"Lightning's suggestion: num_workers={lightning} prefetch_factor=2 "

@@ -19,10 +19,14 @@ def final_state(run_dir):
 
 
 def test_interrupted_run_plus_resume_equals_straight_run(dlpipe, tmp_path, mlflow_store, mlflow_client):
-    """3 epochs straight == 1 epoch, stop, resume to 3 (weights and loss history), in the same MLflow run."""
+    """3 epochs straight == 1 epoch, stop, resume to 3 (weights and loss history), in the same MLflow run.
+    The straight run keeps checkpoint.keep_last=1 epoch checkpoint, plus best.pt, and no temp files."""
     straight, split = tmp_path / "straight", tmp_path / "split"
-    r = dlpipe(*SMOKE, "trainer.epochs=3", f"hydra.run.dir={straight}", "tracking=none")
+    r = dlpipe(*SMOKE, "trainer.epochs=3", "checkpoint.keep_last=1", f"hydra.run.dir={straight}", "tracking=none")
     assert r.returncode == 0, r.stderr
+    names = sorted(p.name for p in (straight / "checkpoints").iterdir())
+    assert [n for n in names if n.startswith("epoch-")] == ["epoch-0003.pt"]
+    assert "best.pt" in names and not [n for n in names if n.endswith(".tmp")]
     track = [f"tracking.uri={mlflow_store}", "tracking.experiment=resume"]
     r = dlpipe(*SMOKE, "trainer.epochs=1", f"hydra.run.dir={split}", *track)
     assert r.returncode == 0, r.stderr
@@ -67,16 +71,39 @@ def logged(client, run) -> dict[str, list[tuple[int, float]]]:
             for k in keys}
 
 
-# The main process alone signalled at its 150th fetch (pre-flight and epoch 1 fetch about 110); or, from
-# a persistent worker at its 80th fetch (it fetches 60 or 48 an epoch), the job's whole process group.
-# Or a dataset drawing its augmentation from torch's global RNG, resumed with the same loader (README).
-@pytest.mark.parametrize("how", [["dataset.at=150"],
-                                 ["dataset.at=80", "+dataset.group=true", "loader.num_workers=2",
-                                  "loader.persistent_workers=true", "loader.worker_method=process"],
-                                 ["dataset.at=150", "dataset.size=120", "+dataset.global_noise=0.3"]],
-                         ids=["main", "group-persistent-workers", "main-global-rng"])
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory, mlflow_store):
+    """The uninterrupted run of a set of arguments, made once per test process (the parameters of the
+    test below that share one are an xdist group): returns its MLflow experiment's name."""
+    made: dict[tuple[str, ...], str] = {}
+
+    def straight(dlpipe, args: list[str]) -> str:
+        if tuple(args) not in made:
+            exp = f"straight-{len(made)}"
+            out = tmp_path_factory.mktemp("straight")
+            r = dlpipe(*args, "dataset.at=-1", f"hydra.run.dir={out}", f"tracking.uri={mlflow_store}",
+                       f"tracking.experiment={exp}")
+            assert r.returncode == 0, r.stderr
+            made[tuple(args)] = exp
+        return made[tuple(args)]
+
+    return straight
+
+
+# (the signal, the dataset, the loader of the interrupted run). The main process alone signalled at its
+# 150th fetch (pre-flight and epoch 1 fetch about 110); or, from a persistent worker at its 80th fetch (it
+# fetches 60 or 48 an epoch), the job's whole process group. Or a dataset drawing its augmentation from
+# torch's global RNG, resumed with the same loader (README). The uninterrupted run fetches in the main process.
+@pytest.mark.xdist_group("straight-runs")
+@pytest.mark.parametrize("signal_at, data, loader", [
+    (["dataset.at=150"], [], []),
+    (["dataset.at=80", "+dataset.group=true"], [],
+     ["loader.num_workers=2", "loader.persistent_workers=true", "loader.worker_method=process"]),
+    (["dataset.at=150"], ["+dataset.global_noise=0.3"], [])],
+    ids=["main", "group-persistent-workers", "main-global-rng"])
 def test_sigterm_mid_epoch_then_resume_logs_every_number_of_a_straight_run(dlpipe, tmp_path, mlflow_store,
-                                                                            mlflow_client, how):
+                                                                            mlflow_client, straight_runs,
+                                                                            signal_at, data, loader):
     """A real SIGTERM in epoch 2, then the same command: every logged metric that is not a timing or a
     resource sample, epoch by epoch and step by step, equals the uninterrupted run's bitwise: the
     interrupted epoch's train_loss and the train_loss_step whose window the stop cut included. With
@@ -84,13 +111,11 @@ def test_sigterm_mid_epoch_then_resume_logs_every_number_of_a_straight_run(dlpip
     for one that does)."""
     from conftest import TESTS_DIR
 
-    args = [a.replace("{tests}", str(TESTS_DIR)) for a in SIGNALLED] + how[2:]
-    exp = f"exact-{len(how)}"
-    track = [f"tracking.uri={mlflow_store}"]
-    r = dlpipe(*args, "dataset.at=-1", f"hydra.run.dir={tmp_path / 'straight'}", *track, f"tracking.experiment={exp}-a")
-    assert r.returncode == 0, r.stderr
-    split = [*args, *how[:2], f"dataset.marker={tmp_path / 'signalled'}", f"hydra.run.dir={tmp_path / 'split'}",
-             *track, f"tracking.experiment={exp}-b"]
+    args = [a.replace("{tests}", str(TESTS_DIR)) for a in SIGNALLED] + data
+    straight_exp = straight_runs(dlpipe, args)
+    exp = f"exact-{tmp_path.name}"
+    split = [*args, *signal_at, *loader, f"dataset.marker={tmp_path / 'signalled'}",
+             f"hydra.run.dir={tmp_path / 'split'}", f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}"]
     r = dlpipe(*split, new_session=True)  # a group of its own: `group` signals all of it, and only it
     assert r.returncode == 143, r.stderr
     assert "killed by signal" not in r.stderr  # no worker died of the group's signal
@@ -104,7 +129,7 @@ def test_sigterm_mid_epoch_then_resume_logs_every_number_of_a_straight_run(dlpip
     assert r.returncode == 0, r.stderr
     assert "resuming from" in r.stdout + r.stderr
 
-    [straight], [resumed] = runs_of(mlflow_client, f"{exp}-a"), runs_of(mlflow_client, f"{exp}-b")  # reopened
+    [straight], [resumed] = runs_of(mlflow_client, straight_exp), runs_of(mlflow_client, exp)  # reopened
     assert resumed.info.status == "FINISHED" and "dlpipe.end_reason" not in resumed.data.tags
     a, b = logged(mlflow_client, straight), logged(mlflow_client, resumed)
     assert {"train_loss", "train_loss_step", "val_loss", "val_accuracy", "lr", "grad_norm", "epoch_lr"} <= set(a)
@@ -145,16 +170,6 @@ def test_a_run_stopped_with_worker_processes_resumes_with_threads_exactly(dlpipe
     a, b = logged(mlflow_client, straight), logged(mlflow_client, resumed)
     assert {"train_loss", "train_loss_step", "val_loss"} <= set(a)
     assert a == b
-
-
-def test_retention_and_best_checkpoint(dlpipe, tmp_path):
-    """keep_last epoch checkpoints are kept, plus best.pt; no temp files are left."""
-    run_dir = tmp_path / "run"
-    r = dlpipe(*SMOKE, "trainer.epochs=3", "checkpoint.keep_last=1", f"hydra.run.dir={run_dir}", "tracking=none")
-    assert r.returncode == 0, r.stderr
-    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert [n for n in names if n.startswith("epoch-")] == ["epoch-0003.pt"]
-    assert "best.pt" in names and not [n for n in names if n.endswith(".tmp")]
 
 
 def test_resume_must_without_checkpoint_is_an_error(dlpipe, tmp_path):

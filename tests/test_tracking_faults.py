@@ -104,10 +104,19 @@ def kill(proc: subprocess.Popen, tracker: psutil.Process | None = None) -> None:
     """SIGKILL a dlpipe process; with `tracker` (tracking_process) its tracking process first."""
     if tracker is not None and tracker.is_running():
         tracker.kill()
-        tracker.wait(timeout=60)
+        # Dead is enough: a zombie is reaped by the training process only when it next talks to it
+        # (psutil's wait would wait for that, an epoch later).
+        wait_for(lambda: _dead(tracker), None, "the tracking process to die")
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
+
+
+def _dead(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def tracking_process(proc: subprocess.Popen) -> psutil.Process:

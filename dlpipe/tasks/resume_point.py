@@ -11,6 +11,22 @@ from dlpipe.tasks.common import JobContext
 log = logging.getLogger("dlpipe")
 
 
+def checkpoint_folder(cfg, ctx: JobContext) -> Path:
+    """Where a job keeps its checkpoints: checkpoint.dir, else its output folder's checkpoints/."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else ctx.output_dir / "checkpoints"
+
+
+def require_checkpoint(cfg, ctx: JobContext) -> None:
+    """checkpoint.resume=must where no checkpoint file exists at all: refused before the job is built
+    (seconds of imports and data). Files that all turn out unreadable are found when they are loaded."""
+    from dlpipe.errors import ConfigError
+    from dlpipe.training.checkpoint import CheckpointStore
+
+    folder = checkpoint_folder(cfg, ctx)
+    if cfg.checkpoint.resume == "must" and not CheckpointStore(folder).candidates():
+        raise ConfigError([f"checkpoint.resume=must: no checkpoint in {folder}"])
+
+
 def resume_point(store, policy: str, ranks) -> tuple[dict | None, Path | None]:
     """(state, path) to resume from; with several ranks, rank 0 chooses and the others load the
     same file (each rank's own listing of a network filesystem may lag behind)."""

@@ -73,8 +73,11 @@ def start_early(cfg: DictConfig):
 
 
 def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks, sidecar) -> float | None:
+    from dlpipe.tasks.resume_point import require_checkpoint
     from dlpipe.tracking.given_run import given_run_id
 
+    if ranks.is_main:  # rank 0 alone chooses the checkpoint (resume_point)
+        require_checkpoint(cfg, ctx)
     given = given_run_id(cfg.tracking) if ranks.is_main else None  # MLFLOW_RUN_ID, before anything is built
     tracking = cfg.tracking if ranks.is_main else replace(cfg.tracking, enabled=False)
     own = sidecar is None and tracking.enabled

@@ -27,7 +27,7 @@ from dlpipe.tasks.common import (
     run_tags,
     warn_about_loaders,
 )
-from dlpipe.tasks.resume_point import resume_hint, resume_point, save_stop_checkpoint
+from dlpipe.tasks.resume_point import checkpoint_folder, resume_hint, resume_point, save_stop_checkpoint
 from dlpipe.tracking.dataset_input import describe as describe_dataset
 
 if TYPE_CHECKING:  # torch-heavy modules, imported when a job is built
@@ -287,8 +287,7 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     resolved_yaml = yaml.safe_dump(shown, sort_keys=False)
     config_flat = flatten(shown)
     ck = cfg.checkpoint
-    folder = Path(ck.dir) if ck.dir else ctx.output_dir / "checkpoints"
-    store = CheckpointStore(folder, ck.keep_last, ck.monitor, mode)
+    store = CheckpointStore(checkpoint_folder(cfg, ctx), ck.keep_last, ck.monitor, mode)
     params = {**config_flat, **hardware.host_facts(cpu=budget), **{f"auto.{k}": v for k, v in decided.items()},
               **job_params(cfg, ranks, train_plan, model)}
     sizes = {"train": len(train_set), **({"validation": len(val_set)} if val_set is not None else {})}
