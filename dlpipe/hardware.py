@@ -11,11 +11,12 @@ import math
 import os
 import platform
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import psutil
 
+from dlpipe import cgroups
 from dlpipe.budget_share import Sharing, current_sharing
 from dlpipe.gpu import gpu_summary
 
@@ -59,16 +60,6 @@ class CpuBudget:
         }
 
 
-def _read_text(path: str) -> str | None:
-    # Missing or unreadable control files are normal (no controller, rootless container):
-    # they mean "no limit visible to us", so report None instead of failing the launch.
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read()
-    except (OSError, ValueError):  # ValueError covers UnicodeDecodeError on garbage content
-        return None
-
-
 def _ratio(quota: str, period: str, source: str) -> tuple[float, str] | None:
     try:
         q, p = int(quota), int(period)  # int() tolerates the trailing newline
@@ -80,7 +71,7 @@ def _ratio(quota: str, period: str, source: str) -> tuple[float, str] | None:
 def _read_v2_limit(directory: str) -> tuple[float, str] | None:
     """CPUs allowed by `<directory>/cpu.max` ("max 100000" = unlimited, "200000 100000" = 2.0)."""
     path = os.path.join(directory, "cpu.max")
-    fields = (_read_text(path) or "").split()
+    fields = (cgroups.read_text(path) or "").split()
     if len(fields) != 2 or fields[0] == "max":
         return None
     return _ratio(fields[0], fields[1], path)
@@ -89,63 +80,20 @@ def _read_v2_limit(directory: str) -> tuple[float, str] | None:
 def _read_v1_limit(directory: str) -> tuple[float, str] | None:
     """CPUs allowed by `cpu.cfs_quota_us` / `cpu.cfs_period_us` (quota -1 = unlimited)."""
     quota_path = os.path.join(directory, "cpu.cfs_quota_us")
-    quota = _read_text(quota_path)
-    period = _read_text(os.path.join(directory, "cpu.cfs_period_us"))
+    quota = cgroups.read_text(quota_path)
+    period = cgroups.read_text(os.path.join(directory, "cpu.cfs_period_us"))
     if quota is None or period is None:
         return None
     return _ratio(quota, period, quota_path)
 
 
-def _tightest_on_path(
-    mount: str, rel: str, read: Callable[[str], tuple[float, str] | None]
-) -> tuple[float, str] | None:
-    """Minimum limit from `<mount>/<rel>` up to `<mount>`: a parent's quota caps every child."""
-    mount = os.path.normpath(mount)
-    leaf = os.path.normpath(os.path.join(mount, rel.lstrip("/")))
-    # Inside containers /proc/self/cgroup names the host-side path, which is absent under the
-    # container's mount (its root *is* our cgroup); a ".." escape is never trusted either.
-    inside = leaf == mount or leaf.startswith(mount + os.sep)
-    if not inside or not os.path.isdir(leaf):
-        leaf = mount
-    best: tuple[float, str] | None = None
-    directory = leaf
-    while True:
-        found = read(directory)
-        if found is not None and (best is None or found[0] < best[0]):
-            best = found
-        if directory == mount:
-            return best
-        directory = os.path.dirname(directory)
-
-
 def _cgroup_limit(proc_root: str, cgroup_root: str) -> tuple[float, str] | None:
-    text = _read_text(os.path.join(proc_root, "self", "cgroup"))
-    if text is None:
+    """CPUs allowed by the tightest quota on this process's cgroup path (cgroups.hierarchy)."""
+    found = cgroups.hierarchy("cpu", _V1_CPU_MOUNTS, proc_root, cgroup_root)
+    if found is None:
         return None
-    v2_path: str | None = None
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            v2_path = path
-        elif "cpu" in controllers.split(","):
-            # The cpu controller lives in at most one hierarchy; on hybrid hosts (v1 cpu plus an
-            # empty unified tree) the v1 line is the one that can carry a quota.
-            for name in (controllers, *_V1_CPU_MOUNTS):
-                mount = os.path.join(cgroup_root, name)
-                if os.path.isdir(mount):
-                    return _tightest_on_path(mount, path, _read_v1_limit)
-    if v2_path is None:
-        return None
-    mount = cgroup_root
-    # Hybrid layout mounts cgroup2 at <root>/unified; a pure v2 root has cgroup.controllers.
-    unified = os.path.join(cgroup_root, "unified")
-    pure_v2 = os.path.exists(os.path.join(cgroup_root, "cgroup.controllers"))
-    if not pure_v2 and os.path.isdir(unified):
-        mount = unified
-    return _tightest_on_path(mount, v2_path, _read_v2_limit)
+    mount, rel, v2 = found
+    return cgroups.tightest_on_path(mount, rel, _read_v2_limit if v2 else _read_v1_limit)
 
 
 def _positive_int(value: str | None) -> int | None:
@@ -266,9 +214,13 @@ def shm_free_bytes(path: str = "/dev/shm") -> int | None:
     return _statvfs(path, "f_bavail")
 
 
-def memory_available_bytes() -> int:
-    """RAM available without swapping (psutil), for prefetch and cache sizing."""
-    return psutil.virtual_memory().available
+def memory_available_bytes(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """RAM this process can still take without swapping or the OOM killer: the host's available
+    memory (psutil), or less where a cgroup memory limit on this process's path leaves less
+    (a container's --memory, Slurm's --mem; cgroups.memory_headroom)."""
+    available = psutil.virtual_memory().available
+    headroom = cgroups.memory_headroom(proc_root, cgroup_root)
+    return available if headroom is None else min(available, int(headroom[0]))
 
 
 def memory_total_bytes() -> int:

@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
+from dlpipe import cgroups
 from dlpipe.gpu import gpu_summary
 from dlpipe.hardware import (
     CpuBudget,
@@ -325,3 +327,41 @@ def test_gpu_summary_and_host_facts_never_fake_zero():
         assert reason  # a non-empty explanation, e.g. "NVML library not found (no NVIDIA driver)"
         assert facts["gpu.status"] == f"not available: {reason}"
         assert "gpu.count" not in facts
+
+
+# --- memory left under cgroup limits ---------------------------------------------------------------
+
+GIB = 2**30
+
+
+def test_v1_memory_limit_leaves_its_headroom_without_reclaimable_cache(tmp_path):
+    """limit - (usage - inactive file cache), the tightest over the path; a v1 "unlimited" is none."""
+    roots = fake_host(tmp_path, "4:memory:/job/step\n0::/\n", {
+        "memory/job/memory.limit_in_bytes": f"{8 * GIB}\n",
+        "memory/job/memory.usage_in_bytes": f"{7 * GIB}\n",
+        "memory/job/memory.stat": f"cache 0\ntotal_inactive_file {2 * GIB}\n",
+        "memory/job/step/memory.limit_in_bytes": "9223372036854771712\n",
+        "memory/job/step/memory.usage_in_bytes": f"{1 * GIB}\n"})
+    assert cgroups.memory_headroom(**roots) == (3 * GIB, str(tmp_path / "cg" / "memory" / "job" /
+                                                             "memory.limit_in_bytes"))
+    assert memory_available_bytes(**roots) == min(3 * GIB, psutil.virtual_memory().available)
+
+
+def test_v2_memory_max_and_a_tighter_ancestor(tmp_path):
+    roots = fake_host(tmp_path, "0::/a/b\n", {
+        "cgroup.controllers": "cpu memory\n",
+        "a/memory.max": f"{4 * GIB}\n", "a/memory.current": f"{3 * GIB}\n",
+        "a/memory.stat": f"anon {3 * GIB}\ninactive_file 0\n",
+        "a/b/memory.max": "max\n", "a/b/memory.current": f"{3 * GIB}\n"})
+    assert cgroups.memory_headroom(**roots) == (1 * GIB, str(tmp_path / "cg" / "a" / "memory.max"))
+
+
+@pytest.mark.parametrize("files", [{}, {"cgroup.controllers": "memory\n", "a/memory.max": "max\n",
+                                        "a/memory.current": "123\n"},
+                                   {"cgroup.controllers": "memory\n", "a/memory.max": "garbage\n",
+                                    "a/memory.current": "1\n"}], ids=["no files", "max", "malformed"])
+def test_no_memory_limit_is_the_hosts_memory(tmp_path, files):
+    roots = fake_host(tmp_path, "0::/a\n", files)
+    assert cgroups.memory_headroom(**roots) is None
+    # the host's figure, read twice: equal within what other processes allocate meanwhile
+    assert abs(memory_available_bytes(**roots) - psutil.virtual_memory().available) < GIB

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dlpipe"
-LEAVES = {"errors", "hardware", "budget_share", "gpu", "redact", "console", "stop", "schema", "disk"}
+LEAVES = {"errors", "hardware", "cgroups", "budget_share", "gpu", "redact", "console", "stop", "schema", "disk"}
 TASKS = {"train", "bench", "tune", "eval", "sync"}
 
 

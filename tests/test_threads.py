@@ -2,19 +2,27 @@
 batches whoever fetches them, the same errors and timeout as processes, and the auto choice."""
 
 import ctypes
+import os
 import random
+import re
+import subprocess
+import sys
 import threading
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch.utils.data import Dataset, Subset
 
+from dlpipe import cgroups
 from dlpipe.errors import user_message
 from dlpipe.loader.build import build_loader
 from dlpipe.loader.faults import NamedErrors, SampleError, explain_loader_failure
 from dlpipe.loader.threads import ThreadLoader
-from dlpipe.loader.worker_method import THREAD_SCALING_MIN, choose, fit, global_draws
+from dlpipe.loader.worker_method import THREAD_SCALING_MIN, choose, fit, global_draws, processes_forbidden
 from dlpipe.sample_rng import SampleBatch, sample_generator, sample_seed
 from dlpipe.schema import LoaderConfig
 
@@ -219,16 +227,16 @@ def test_auto_picks_threads_where_they_scale_and_processes_where_they_cannot():
     """Sleeping items (I/O: the GIL released) scale with threads; items holding the GIL do not; a dataset
     drawing from a global RNG never gets threads; a /dev/shm too small for processes gets them anyway."""
     wrap = lambda d: NamedErrors(Subset(d, range(len(d))))  # noqa: E731 - as training builds it
-    method, why = choose(wrap(Augments(size=64, delay_s=0.01)), 2, 8, None, shm_too_small=False)
+    method, why = choose(wrap(Augments(size=64, delay_s=0.01)), 2, 8, None, forbidden=None)
     assert method == "thread", why
     assert why.startswith("2 threads fetched ")
     assert "as fast as the main process alone (the dataset releases the GIL)" in why
-    method, why = choose(wrap(HoldsTheGIL(size=64)), 2, 8, None, shm_too_small=False)
+    method, why = choose(wrap(HoldsTheGIL(size=64)), 2, 8, None, forbidden=None)
     assert method == "process", why
     assert f"under {THREAD_SCALING_MIN:g} x 2 (the dataset holds the GIL)" in why
-    method, why = choose(wrap(GlobalNoise()), 2, 8, None, shm_too_small=False)
+    method, why = choose(wrap(GlobalNoise()), 2, 8, None, forbidden=None)
     assert (method, why.split(" while")[0]) == ("process", "the dataset draws from the global random RNG")
-    assert choose(wrap(GlobalNoise()), 2, 8, None, shm_too_small=True)[0] == "thread"
+    assert choose(wrap(GlobalNoise()), 2, 8, None, forbidden="/dev/shm is too small")[0] == "thread"
 
 
 def test_the_automatic_decision_leaves_every_global_stream_as_it_was():
@@ -279,3 +287,58 @@ def test_a_process_exits_with_a_thread_epoch_still_open(tmp_path):
         "print('left open')\n")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout == "left open\n", r.stderr
+
+
+def test_processes_are_forbidden_where_shm_or_memory_cannot_hold_them():
+    """The reasons the automatic choice takes threads without measuring: /dev/shm too small for the
+    batches in flight, or N forks of this process over the share of the memory left."""
+    mb = 2**20
+    assert processes_forbidden(2, 10 * mb, 1000 * mb, 300 * mb, 8000 * mb) is None
+    assert processes_forbidden(2, 600 * mb, 1000 * mb, 300 * mb, 8000 * mb).startswith("/dev/shm cannot hold")
+    why = processes_forbidden(4, 40 * mb, None, 300 * mb, 1500 * mb)  # 1240 MB > 0.8 x 1500 MB
+    assert why.startswith("4 worker processes, each a fork of this 300 MB process, and 40 MB of batches in flight "
+                          "could take 1240 MB, over 80% of the 1500 MB of memory left (cgroup limits included)")
+    assert processes_forbidden(4, 40 * mb, None, 290 * mb, 1500 * mb) is None  # 1200 MB: at the share, not over
+
+
+@contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A child of this process's own v1 memory cgroup, limited to `limit_bytes` (the parent's limits
+    still apply); skips where there is none to create (cgroup v2 forbids one beside our processes)."""
+    found = cgroups.hierarchy("memory", ("memory",), "/proc", "/sys/fs/cgroup")
+    if found is None or found[2]:
+        pytest.skip("no cgroup v1 memory hierarchy to make a child in")
+    mount, rel, _ = found
+    group = Path(mount, rel.lstrip("/"), f"dlpipe-test-{os.getpid()}")
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+    except OSError as e:
+        if group.is_dir():
+            group.rmdir()
+        pytest.skip(f"cannot make a memory cgroup here ({e})")
+    try:
+        yield group
+    finally:
+        group.rmdir()  # the job and every process it started have exited: the group is empty
+
+
+def test_a_job_under_a_tight_memory_limit_fetches_with_threads(tmp_path):
+    """A real job in a memory cgroup of 1000 MB (a container's --memory, Slurm's --mem): 4 worker
+    processes, each a fork of a process of ~230 MB of its own (USS), do not fit in 80% of the ~770 MB
+    left, so loader=auto takes 4 threads; the log names the memory left, read from the cgroup (the
+    host has far more), and the job trains (it peaks at ~330 MB)."""
+    from conftest import NO_PHONE_HOME, TESTS_DIR
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_"))}
+    env.update(NO_PHONE_HOME, PYTHONPATH=str(TESTS_DIR))
+    args = ["+recipe=smoke", "loader.num_workers=4", "trainer.epochs=1", "trainer.progress=false", "tracking=none"]
+    with memory_cgroup(1000 * 2**20) as group:
+        r = subprocess.run(["sh", "-c", f'echo $$ > "{group}/cgroup.procs" && exec "$0" -m dlpipe "$@"', sys.executable,
+                            *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                           stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    [line] = [line for line in (r.stdout + r.stderr).splitlines() if "loader.worker_method = " in line]
+    assert "loader.worker_method = thread (auto: 4 worker processes, each a fork of this " in line, line
+    left = int(re.search(r"of the (\d+) MB of memory left \(cgroup limits included\)", line).group(1))
+    assert left < 1000 < psutil.virtual_memory().available / 2**20

@@ -70,6 +70,12 @@ def shm_overflow(inflight: int, shm_free: int | None) -> bool:
     return shm_free is not None and inflight > SHM_SHARE * shm_free
 
 
+def ram_overflow(workers_bytes: float, inflight: int, available: int) -> bool:
+    """Whether workers holding `workers_bytes` of their own plus the batches in flight would take more
+    than RAM_SHARE of the memory available (hardware.memory_available_bytes: cgroup limits included)."""
+    return workers_bytes + inflight > RAM_SHARE * available
+
+
 def train_samples(dataset_size: int, val_fraction: float) -> int:
     """Training items of a dataset of `dataset_size` (the split's arithmetic: loader.split)."""
     if val_fraction <= 0 or dataset_size <= 0:

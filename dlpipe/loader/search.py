@@ -93,8 +93,8 @@ def memory_guard(c: Candidate, batch_bytes: int, shm_free: int | None, ram_avail
         prefetch = policy.prefetch_in_effect(c.num_workers, c.prefetch_factor)
         return (f"{c.num_workers} workers x prefetch {prefetch} x {batch_bytes / 2**20:.1f} MB = "
                 f"{inflight / 2**20:.0f} MB in flight, over half the {shm_free / 2**20:.0f} MB free in /dev/shm")
-    ram = c.num_workers * worker_rss_bytes + inflight
-    if ram > policy.RAM_SHARE * ram_available:
+    if policy.ram_overflow(c.num_workers * worker_rss_bytes, inflight, ram_available):
+        ram = c.num_workers * worker_rss_bytes + inflight
         return (f"{c.num_workers} workers would take about {ram / 2**20:.0f} MB, over {policy.RAM_SHARE:.0%} of the "
                 f"{ram_available / 2**20:.0f} MB available")
     return None

@@ -5,7 +5,8 @@ a fraction of the memory; with pure-Python augmentation holding the GIL they fel
 threads are chosen where a probe shows they scale, and never for a dataset that draws from the
 global RNGs (with threads those are the main process's, shared with training: neither would be
 reproducible any more). Where /dev/shm cannot hold the batches in flight, processes would die of a
-bus error, so threads are taken anyway; on a free-threaded Python there is no GIL to share.
+bus error, so threads are taken anyway; the same where the memory left (a cgroup's limit included)
+cannot hold N forks of this process; on a free-threaded Python there is no GIL to share.
 """
 
 import random
@@ -41,7 +42,7 @@ def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: 
     Threads keep nothing across epochs, so automatic persistence goes with them."""
     if not loader.num_workers or not len(train_set):  # type: ignore[arg-type]
         return replace(loader, worker_method="process")  # no workers: nothing to decide, PyTorch's default
-    from dlpipe.hardware import shm_free_bytes
+    from dlpipe.hardware import memory_available_bytes, shm_free_bytes
     from dlpipe.loader.build import batch_bytes
     from dlpipe.training import rng
 
@@ -49,8 +50,9 @@ def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: 
     try:
         inflight = policy.inflight_bytes(loader.num_workers, loader.prefetch_factor,
                                          batch_bytes(train_set, loader.batch_size, collate_fn))
-        method, why = choose(train_set, loader.num_workers, loader.batch_size, collate_fn,
-                             policy.shm_overflow(inflight, shm_free_bytes()))
+        forbidden = processes_forbidden(loader.num_workers, inflight, shm_free_bytes(), private_bytes(),
+                                        memory_available_bytes())
+        method, why = choose(train_set, loader.num_workers, loader.batch_size, collate_fn, forbidden)
     finally:
         rng.restore(state)
     loader = replace(loader, worker_method=method)
@@ -62,14 +64,38 @@ def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: 
     return loader
 
 
+def private_bytes() -> int:
+    """This process's own memory (USS: pages no other process shares). A worker process is a fork of
+    it and comes to own every page it writes: refcounts written on reading a dataset's Python
+    objects copy their pages (PyTorch's "memory leak" with workers), so USS is what each may grow to."""
+    import psutil
+
+    return psutil.Process().memory_full_info().uss
+
+
+def processes_forbidden(num_workers: int, inflight: int, shm_free: int | None, private: int, available: int
+                        ) -> str | None:
+    """Why `num_workers` worker processes cannot run here (they would be killed), or None."""
+    if policy.shm_overflow(inflight, shm_free):
+        return ("/dev/shm cannot hold the batches worker processes keep in flight (they would die of a "
+                "bus error); threads need none")
+    if policy.ram_overflow(num_workers * private, inflight, available):
+        return (f"{num_workers} worker processes, each a fork of this {private / 2**20:.0f} MB process, and "
+                f"{inflight / 2**20:.0f} MB of batches in flight could take "
+                f"{(num_workers * private + inflight) / 2**20:.0f} MB, over {policy.RAM_SHARE:.0%} of the "
+                f"{available / 2**20:.0f} MB of memory left (cgroup limits included): the out-of-memory killer "
+                "would end them; threads share this process's memory")
+    return None
+
+
 def choose(dataset: Dataset, num_workers: int, batch_size: int, collate_fn: Callable | None,
-           shm_too_small: bool) -> tuple[str, str]:
-    """("thread" or "process", why) for `num_workers` workers fetching `dataset` (a built split)."""
+           forbidden: str | None) -> tuple[str, str]:
+    """("thread" or "process", why) for `num_workers` workers fetching `dataset` (a built split);
+    `forbidden`: why processes cannot run here (processes_forbidden), or None."""
     if getattr(sys, "_is_gil_enabled", lambda: True)() is False:
         return "thread", "this Python runs without the GIL (free-threaded): threads fetch in parallel, sharing memory"
-    if shm_too_small:
-        return "thread", ("/dev/shm cannot hold the batches worker processes keep in flight (they would die of a "
-                          "bus error); threads need none")
+    if forbidden:
+        return "thread", forbidden
     drawn = global_draws(dataset)
     if drawn:
         return "process", (f"the dataset draws from the global {drawn} RNG while fetching: threads would share "
