@@ -8,7 +8,9 @@ Four pipelines, each wrapped in NamedErrors as training wraps its split:
 - tokens: `TokenSequenceDataset`, fixed-length sequences, batch 64 (the same);
 - jpeg: `SyntheticJPEGDataset(augment=False)`, decode and centre crop, batch 32 (PIL releases the GIL);
 - jpeg+python: the same items, then a brightness/contrast jitter written as a pure-Python loop over the
-  crop's values (holds the GIL), drawn from `dlpipe.sample_rng.sample_generator()`.
+  crop's values (holds the GIL), drawn from `dlpipe.sample_rng.sample_generator()`;
+- jpeg-large: `SyntheticJPEGDataset(augment=False)` at 224 px (ImageNet's size), batch 32: decode
+  releases the GIL for longer, and each batch is 13 MB to pickle through /dev/shm.
 
 Per pipeline:
 1. auto: the settings loader=auto gives here (`recommended_workers` of the CPU budget, then
@@ -63,7 +65,7 @@ from dlpipe.telemetry.sampler import ResourceSampler  # noqa: E402
 
 GOALS = {"auto": 0.9, "tune": 0.97, "cost": 1 / 3, "thread_rss": 0.8}
 EPOCHS = 3  # what the automatic persistence decision is told the run trains for
-PIPELINES = ("rows", "tokens", "jpeg", "jpeg+python")
+PIPELINES = ("rows", "tokens", "jpeg", "jpeg+python", "jpeg-large")
 # conf/loader/auto.yaml's values before interpolation: what fit_loader_to_data reads to tell automatic from set.
 AUTO_RAW = {"num_workers": "${auto_workers:}", "pin_memory": "${cuda_available:}",
             "prefetch_factor": "${auto_prefetch:${.num_workers}}",
@@ -113,13 +115,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=8192, help="token sequences of 64 (default 8192)")
     p.add_argument("--images", type=int, default=640, help="JPEG images (default 640: 20 batches of 32)")
     p.add_argument("--image-size", type=int, default=48, help="stored JPEG side in pixels (default 48)")
+    p.add_argument("--large-images", type=int, default=320,
+                   help="224 px JPEG images of jpeg-large (default 320: 10 batches of 32)")
     p.add_argument("--python-ops", type=int, default=1024,
                    help="values the Python jitter touches per item (default 1024)")
     p.add_argument("--pipelines", default=",".join(PIPELINES), help=f"some of {','.join(PIPELINES)} (default all)")
     p.add_argument("--sample-interval", type=float, default=0.1, help="RSS sampling interval in s (default 0.1)")
     p.add_argument("--out", type=Path, help="also write the markdown report to this file")
     args = p.parse_args(argv)
-    for name in ("rounds", "held_out", "repeats", "warmup", "rows", "tokens", "images", "image_size", "python_ops"):
+    for name in ("rounds", "held_out", "repeats", "warmup", "rows", "tokens", "images", "image_size", "python_ops",
+                 "large_images"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
     if args.measure_epochs <= 0 or args.sample_interval <= 0:
@@ -142,6 +147,9 @@ def build(name: str, args) -> tuple[Dataset, int, str]:
     from dlpipe.data.tabular import TabularDataset
     from dlpipe.data.vision import SyntheticJPEGDataset
 
+    if name == "jpeg-large":
+        large = SyntheticJPEGDataset(size=args.large_images, image_size=224, crop_size=186, augment=False)
+        return NamedErrors(large), 32, f"SyntheticJPEGDataset {args.large_images} images of 224 px, centre crop 186"
     crop = max(args.image_size * 5 // 6, 1)
     if name == "rows":
         return NamedErrors(TabularDataset(size=args.rows, num_features=32)), 64, f"TabularDataset {args.rows} x 32"

@@ -22,7 +22,14 @@ from dlpipe.errors import user_message
 from dlpipe.loader.build import build_loader
 from dlpipe.loader.faults import NamedErrors, SampleError, explain_loader_failure
 from dlpipe.loader.threads import ThreadLoader
-from dlpipe.loader.worker_method import THREAD_SCALING_MIN, choose, fit, global_draws, processes_forbidden
+from dlpipe.loader.worker_method import (
+    THREAD_SCALING_MIN,
+    Timed,
+    choose,
+    fit,
+    global_draws,
+    processes_forbidden,
+)
 from dlpipe.sample_rng import SampleBatch, sample_generator, sample_seed
 from dlpipe.schema import LoaderConfig
 
@@ -224,19 +231,34 @@ def test_every_prefetch_factor_delivers_every_batch_in_order(prefetch):
 
 
 def test_auto_picks_threads_where_they_scale_and_processes_where_they_cannot():
-    """Sleeping items (I/O: the GIL released) scale with threads; items holding the GIL do not; a dataset
-    drawing from a global RNG never gets threads; a /dev/shm too small for processes gets them anyway."""
+    """Sleeping items (I/O: the GIL released) scale with threads; items holding the GIL do not, and N
+    worker processes timed on the same batches beat them; a dataset drawing from a global RNG never gets
+    threads; where processes are forbidden (a /dev/shm too small) threads are taken anyway."""
     wrap = lambda d: NamedErrors(Subset(d, range(len(d))))  # noqa: E731 - as training builds it
-    method, why = choose(wrap(Augments(size=64, delay_s=0.01)), 2, 8, None, forbidden=None)
+    two = LoaderConfig(batch_size=8, num_workers=2, persistent_workers=False)
+    method, why = choose(wrap(Augments(size=64, delay_s=0.01)), two, None, forbidden=None)
     assert method == "thread", why
     assert why.startswith("2 threads fetched ")
     assert "as fast as the main process alone (the dataset releases the GIL)" in why
-    method, why = choose(wrap(HoldsTheGIL(size=64)), 2, 8, None, forbidden=None)
+    method, why = choose(wrap(HoldsTheGIL(size=64)), two, None, forbidden=None)
     assert method == "process", why
-    assert f"under {THREAD_SCALING_MIN:g} x 2 (the dataset holds the GIL)" in why
-    method, why = choose(wrap(GlobalNoise()), 2, 8, None, forbidden=None)
+    assert f"under {THREAD_SCALING_MIN:g} x 2; timed on the same batches, an epoch of 64 items would take " in why
+    assert why.endswith("s with 2 processes (the dataset holds the GIL)")
+    method, why = choose(wrap(GlobalNoise()), two, None, forbidden=None)
     assert (method, why.split(" while")[0]) == ("process", "the dataset draws from the global random RNG")
-    assert choose(wrap(GlobalNoise()), 2, 8, None, forbidden="/dev/shm is too small")[0] == "thread"
+    assert choose(wrap(GlobalNoise()), two, None, forbidden="/dev/shm is too small") == ("thread",
+                                                                                          "/dev/shm is too small")
+
+
+def test_a_probes_epoch_prediction_separates_start_up_from_the_steady_rate():
+    """8 batches of 4 items by 2 workers: 0.3 s to the first batch where one batch takes 0.1 s (so
+    0.2 s of start-up), 0.7 s in all: 0.5 s of steady work for 8 batches. An epoch of 64 items (16
+    batches) takes 1.0 s steady, plus the start-up where the workers start anew."""
+    timed = Timed(first_s=0.3, total_s=0.7, batches=8)
+    assert timed.epoch_s(64, 4, one_batch_s=0.1, restarts=False) == pytest.approx(1.0)
+    assert timed.epoch_s(64, 4, one_batch_s=0.1, restarts=True) == pytest.approx(1.2)
+    # a first batch faster than one batch in the main process has no start-up to speak of
+    assert Timed(0.05, 0.45, 8).epoch_s(64, 4, one_batch_s=0.1, restarts=True) == pytest.approx(0.9)
 
 
 def test_the_automatic_decision_leaves_every_global_stream_as_it_was():

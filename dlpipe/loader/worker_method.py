@@ -13,7 +13,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -34,6 +34,12 @@ PROBE_SERIAL_S = 0.25
 long enough that the threads' start-up (10-20 ms) costs them a tenth at most."""
 PROBE_ROUNDS = 2
 RNG_PROBE_ITEMS = 4
+THREADS_AS_FAST = 0.95
+"""Below THREAD_SCALING_MIN, N worker processes are timed on the same batches too, and threads are
+taken when their predicted epoch is at least 0.95x as fast: within the probe's noise, threads save
+N copies of this process's memory and a pickle of every batch. Processes do not always scale: on
+224 px JPEGs (batches of 13 MB through /dev/shm) 2 processes ran at 0.85x the main process alone
+while 2 threads reached 1.4x (benchmarks/loader_backends.py --image-size 224)."""
 
 
 def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: Callable | None,
@@ -52,7 +58,7 @@ def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: 
                                          batch_bytes(train_set, loader.batch_size, collate_fn))
         forbidden = processes_forbidden(loader.num_workers, inflight, shm_free_bytes(), private_bytes(),
                                         memory_available_bytes())
-        method, why = choose(train_set, loader.num_workers, loader.batch_size, collate_fn, forbidden)
+        method, why = choose(train_set, loader, collate_fn, forbidden)
     finally:
         rng.restore(state)
     loader = replace(loader, worker_method=method)
@@ -88,10 +94,12 @@ def processes_forbidden(num_workers: int, inflight: int, shm_free: int | None, p
     return None
 
 
-def choose(dataset: Dataset, num_workers: int, batch_size: int, collate_fn: Callable | None,
+def choose(dataset: Dataset, loader: LoaderConfig, collate_fn: Callable | None,
            forbidden: str | None) -> tuple[str, str]:
-    """("thread" or "process", why) for `num_workers` workers fetching `dataset` (a built split);
-    `forbidden`: why processes cannot run here (processes_forbidden), or None."""
+    """("thread" or "process", why) for `loader.num_workers` workers fetching `dataset` (a built split)
+    as `loader` says (batch size, persistence, start method); `forbidden`: why processes cannot run
+    here (processes_forbidden), or None."""
+    num_workers = loader.num_workers
     if getattr(sys, "_is_gil_enabled", lambda: True)() is False:
         return "thread", "this Python runs without the GIL (free-threaded): threads fetch in parallel, sharing memory"
     if forbidden:
@@ -101,13 +109,23 @@ def choose(dataset: Dataset, num_workers: int, batch_size: int, collate_fn: Call
         return "process", (f"the dataset draws from the global {drawn} RNG while fetching: threads would share "
                            "that stream with training and each other (draw from dlpipe.sample_rng.sample_generator() "
                            "to make threads possible)")
-    speedup = thread_speedup(dataset, num_workers, batch_size, collate_fn)
+    probe = Probe(dataset, num_workers, loader.batch_size, collate_fn)
+    speedup = probe.serial_s / probe.threads.total_s
     if speedup >= THREAD_SCALING_MIN * num_workers:
         return "thread", (f"{num_workers} threads fetched {speedup:.2f}x as fast as the main process alone (the "
                           "dataset releases the GIL): as fast as processes, without their memory, start-up and "
                           "hand-over")
-    return "process", (f"{num_workers} threads fetched only {speedup:.2f}x as fast as the main process alone, under "
-                       f"{THREAD_SCALING_MIN:g} x {num_workers} (the dataset holds the GIL)")
+    processes = probe.time_processes(loader.multiprocessing_context)
+    items, one_batch_s = len(dataset), probe.serial_s / len(probe.batches)  # type: ignore[arg-type]
+    threads_s = probe.threads.epoch_s(items, probe.size, one_batch_s, restarts=True)
+    processes_s = processes.epoch_s(items, probe.size, one_batch_s, restarts=not loader.persistent_workers)
+    facts = (f"{num_workers} threads fetched {speedup:.2f}x as fast as the main process alone, under "
+             f"{THREAD_SCALING_MIN:g} x {num_workers}; timed on the same batches, an epoch of {items} items would take "
+             f"{threads_s:.2f} s with {num_workers} threads and {processes_s:.2f} s with {num_workers} "
+             f"{'persistent ' if loader.persistent_workers else ''}processes")
+    if threads_s * THREADS_AS_FAST <= processes_s:
+        return "thread", f"{facts}: threads are as fast, without the processes' memory and hand-over"
+    return "process", f"{facts} (the dataset holds the GIL)"
 
 
 def global_draws(dataset: Dataset) -> str | None:
@@ -123,45 +141,81 @@ def global_draws(dataset: Dataset) -> str | None:
     return " and ".join(changed) or None
 
 
-def thread_speedup(dataset: Dataset, num_workers: int, batch_size: int, collate_fn: Callable | None) -> float:
-    """Time to fetch some items in this thread / time for `num_workers` threads (ThreadLoader, the
-    loader training would use) to fetch the same ones. In this thread, not in one worker thread: a
-    lone worker that holds the GIL makes the pipeline's own threads wait for it, which would flatter
-    N of them. The probe's batches are sized by time, not by batch_size: about PROBE_SERIAL_S of
-    items a round (1 to 4 batches per worker, one item each at least), PROBE_ROUNDS rounds unless a
-    round takes over a second; the best round of each side is kept (a descheduled one is only slower)."""
-    gather = BatchGather(dataset, None, collate_fn)
-    n = len(dataset)  # type: ignore[arg-type]
-    started = time.perf_counter()
-    gather[SampleBatch([0], 0)]
-    item = max(time.perf_counter() - started, 1e-7)
-    per_worker = max(1, min(4, int(PROBE_SERIAL_S / (num_workers * item))))  # slow items: fewer, 1 at least
-    count = per_worker * num_workers
-    size = max(1, min(batch_size, n, int(PROBE_SERIAL_S / (count * item))))
-    batches = [SampleBatch([(b * size + i) % n for i in range(size)], 0) for b in range(count)]
-    rounds = PROBE_ROUNDS if count * size * item <= 4 * PROBE_SERIAL_S else 1  # a round of a second is steady
-    serial, parallel = [], []
-    for _ in range(rounds):  # interleaved
+@dataclass(frozen=True)
+class Timed:
+    """One way of fetching the probe's batches: seconds to its first batch and to its last."""
+
+    first_s: float
+    total_s: float
+    batches: int
+
+    def epoch_s(self, items: int, batch_items: int, one_batch_s: float, restarts: bool) -> float:
+        """Predicted seconds for an epoch of `items` in batches of `batch_items`. The start-up is the
+        wait for the first batch beyond what fetching one batch takes (`one_batch_s`, in the main
+        process); the rest is the steady rate, paid again only when the workers start anew. Not the
+        gaps after the first batch: N workers deliver in waves of N."""
+        startup = min(max(self.first_s - one_batch_s, 0.0), self.total_s)
+        steady = (self.total_s - startup) / self.batches
+        return (startup if restarts else 0.0) + steady * items / batch_items
+
+
+class Probe:
+    """Some items fetched in this thread, then the same ones by `num_workers` threads (ThreadLoader,
+    the loader training would use), and on demand by as many worker processes. In this thread, not in
+    one worker thread: a lone worker that holds the GIL makes the pipeline's own threads wait for it,
+    which would flatter N of them. The batches are sized by time, not by batch_size: about
+    PROBE_SERIAL_S of items a round (1 to 4 batches per worker, one item each at least),
+    PROBE_ROUNDS rounds unless a round takes over a second; the best round of each side is kept (a
+    descheduled one is only slower)."""
+
+    def __init__(self, dataset: Dataset, num_workers: int, batch_size: int, collate_fn: Callable | None):
+        self.gather, self.num_workers = BatchGather(dataset, None, collate_fn), num_workers
+        n = len(dataset)  # type: ignore[arg-type]
         started = time.perf_counter()
-        for batch in batches:
-            gather[batch]
-        serial.append(time.perf_counter() - started)
-        parallel.append(_time(ThreadLoader(gather, batches, num_workers=num_workers, prefetch_factor=2,
-                                           pin_memory=False, timeout=0, generator=None)))
-    return min(serial) / max(min(parallel), 1e-9)
+        self.gather[SampleBatch([0], 0)]
+        item = max(time.perf_counter() - started, 1e-7)
+        per_worker = max(1, min(4, int(PROBE_SERIAL_S / (num_workers * item))))  # slow items: fewer, 1 at least
+        count = max(2, per_worker * num_workers)  # a start-up and a steady rate to tell apart
+        self.size = max(1, min(batch_size, n, int(PROBE_SERIAL_S / (count * item))))
+        self.batches = [SampleBatch([(b * self.size + i) % n for i in range(self.size)], 0) for b in range(count)]
+        self.rounds = PROBE_ROUNDS if count * self.size * item <= 4 * PROBE_SERIAL_S else 1  # a round of 1 s is steady
+        serial, threads = [], []
+        for _ in range(self.rounds):  # interleaved
+            started = time.perf_counter()
+            for batch in self.batches:
+                self.gather[batch]
+            serial.append(time.perf_counter() - started)
+            threads.append(_time(ThreadLoader(self.gather, self.batches, num_workers=num_workers, prefetch_factor=2,
+                                              pin_memory=False, timeout=0, generator=None)))
+        self.serial_s = min(serial)
+        self.threads = min(threads, key=lambda t: t.total_s)
+
+    def time_processes(self, context: str | None) -> Timed:
+        """The same batches from `num_workers` worker processes (dlpipe's process loader, started
+        anew each round as an epoch without persistent workers starts them), the best round."""
+        from dlpipe.loader.worker_signals import SignalSafeLoader, worker_init_fn
+
+        return min((_time(SignalSafeLoader(self.gather, batch_size=None, sampler=self.batches,
+                                           num_workers=self.num_workers, prefetch_factor=2,
+                                           multiprocessing_context=context, worker_init_fn=worker_init_fn()))
+                    for _ in range(self.rounds)), key=lambda t: t.total_s)
 
 
-def _time(loader: ThreadLoader) -> float:
-    """Seconds from starting the threads to the last batch, start-up included (torchdata sleeps 10 ms,
-    then starts its threads: a tenth of a probe round, which only errs towards processes). Measured
-    from the consumer's side only once it is over: a GIL-holding dataset starves the consumer, which
-    would see batches arrive in a burst. Not to the end of the stream, which torchdata polls every
+def _time(loader) -> Timed:
+    """Seconds from starting the workers to the first and to the last batch, start-up included (torchdata
+    sleeps 10 ms, then starts its threads: a tenth of a probe round, which only errs towards processes).
+    Measured from the consumer's side only once it is over: a GIL-holding dataset starves the consumer,
+    which would see batches arrive in a burst. Not to the end of the stream, which torchdata polls every
     0.1 s (an epoch pays that once)."""
     started = time.perf_counter()
     batches = iter(loader)
-    for _ in range(len(loader)):
+    next(batches)
+    first = time.perf_counter() - started
+    for _ in range(len(loader) - 1):
         next(batches)
-    return time.perf_counter() - started
+    total = time.perf_counter() - started
+    del batches  # a process loader's workers stop here, before the next round forks again
+    return Timed(first, total, len(loader))
 
 
 def _states() -> dict:
