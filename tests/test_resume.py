@@ -79,8 +79,8 @@ def straight_runs(tmp_path_factory, mlflow_store):
 
     def straight(dlpipe, args: list[str]) -> str:
         if tuple(args) not in made:
-            exp = f"straight-{len(made)}"
             out = tmp_path_factory.mktemp("straight")
+            exp = f"straight-{out.name}"
             r = dlpipe(*args, "dataset.at=-1", f"hydra.run.dir={out}", f"tracking.uri={mlflow_store}",
                        f"tracking.experiment={exp}")
             assert r.returncode == 0, r.stderr

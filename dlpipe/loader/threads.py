@@ -11,7 +11,8 @@ What stays the same as with processes: the order (the same EpochOrder batches), 
 randomness where the dataset draws it from dlpipe.sample_rng.sample_generator(), loader.timeout,
 pin_memory, and the error naming the failing sample. What differs: the global RNGs (torch, random,
 NumPy) are the main process's, shared by every thread, so a dataset that draws from them is not
-reproducible with threads (loader.worker_method=auto never picks threads for one).
+reproducible with threads (loader.worker_method=auto picks threads for one only where processes
+would be killed: /dev/shm or memory too small; its reason then says so).
 """
 
 import atexit

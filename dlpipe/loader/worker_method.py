@@ -2,11 +2,13 @@
 
 Measured on this 2-CPU machine (issue 16): on JPEG decode 2 threads reached 0.94 of 2 processes, at
 a fraction of the memory; with pure-Python augmentation holding the GIL they fell to 0.73. So
-threads are chosen where a probe shows they scale, and never for a dataset that draws from the
-global RNGs (with threads those are the main process's, shared with training: neither would be
-reproducible any more). Where /dev/shm cannot hold the batches in flight, processes would die of a
-bus error, so threads are taken anyway; the same where the memory left (a cgroup's limit included)
-cannot hold N forks of this process; on a free-threaded Python there is no GIL to share.
+threads are chosen where a probe shows they are as fast as processes, and not for a dataset that
+draws from the global RNGs (with threads those are the main process's, shared with training: neither
+would be reproducible any more). Where /dev/shm cannot hold the batches in flight, processes would die
+of a bus error, so threads are taken anyway; the same where the memory left (a cgroup's limit
+included) cannot hold N worker processes. Processes that would be killed are worse than threads that
+are not reproducible: then threads are taken for such a dataset too, and the reason says so. On a
+free-threaded Python there is no GIL to share.
 """
 
 import random
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dlpipe.errors import user_message
 from dlpipe.loader import policy
 from dlpipe.loader.fetch import BatchGather
 from dlpipe.loader.threads import ThreadLoader
@@ -33,6 +36,9 @@ PROBE_SERIAL_S = 0.25
 """About how long each round fetches in this thread before it times N threads on the same items:
 long enough that the threads' start-up (10-20 ms) costs them a tenth at most."""
 PROBE_ROUNDS = 2
+PROBE_TIMEOUT_S = 60.0
+"""The process probe's wait for a batch (DataLoader timeout): a worker that hangs fails the probe,
+not the launch."""
 RNG_PROBE_ITEMS = 4
 THREADS_AS_FAST = 0.95
 """Below THREAD_SCALING_MIN, N worker processes are timed on the same batches too, and threads are
@@ -43,9 +49,10 @@ while 2 threads reached 1.4x (benchmarks/loader_backends.py --image-size 224).""
 
 
 def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: Callable | None,
-        reasons: dict[str, str]) -> LoaderConfig:
+        reasons: dict[str, str], model_bytes: int = 0) -> LoaderConfig:
     """loader.worker_method=auto decided on the built training split, its reason added to `reasons`.
-    Threads keep nothing across epochs, so automatic persistence goes with them."""
+    Threads keep nothing across epochs, so automatic persistence goes with them. `model_bytes`: the
+    CPU memory of a model already built in this process (its pages are never written by a worker)."""
     if not loader.num_workers or not len(train_set):  # type: ignore[arg-type]
         return replace(loader, worker_method="process")  # no workers: nothing to decide, PyTorch's default
     from dlpipe.hardware import memory_available_bytes, shm_free_bytes
@@ -56,8 +63,8 @@ def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: 
     try:
         inflight = policy.inflight_bytes(loader.num_workers, loader.prefetch_factor,
                                          batch_bytes(train_set, loader.batch_size, collate_fn))
-        forbidden = processes_forbidden(loader.num_workers, inflight, shm_free_bytes(), private_bytes(),
-                                        memory_available_bytes())
+        forbidden = processes_forbidden(loader.num_workers, inflight, shm_free_bytes(),
+                                        max(private_bytes() - model_bytes, 0), memory_available_bytes())
         method, why = choose(train_set, loader, collate_fn, forbidden)
     finally:
         rng.restore(state)
@@ -71,9 +78,10 @@ def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: 
 
 
 def private_bytes() -> int:
-    """This process's own memory (USS: pages no other process shares). A worker process is a fork of
-    it and comes to own every page it writes: refcounts written on reading a dataset's Python
-    objects copy their pages (PyTorch's "memory leak" with workers), so USS is what each may grow to."""
+    """This process's own memory (USS: pages no other process shares). A forked worker comes to own
+    every page it writes (refcounts written on reading a dataset's Python objects copy their pages:
+    PyTorch's "memory leak" with workers); a spawned one imports the same modules and gets the dataset
+    pickled whole: either way about this much each."""
     import psutil
 
     return psutil.Process().memory_full_info().uss
@@ -86,7 +94,7 @@ def processes_forbidden(num_workers: int, inflight: int, shm_free: int | None, p
         return ("/dev/shm cannot hold the batches worker processes keep in flight (they would die of a "
                 "bus error); threads need none")
     if policy.ram_overflow(num_workers * private, inflight, available):
-        return (f"{num_workers} worker processes, each a fork of this {private / 2**20:.0f} MB process, and "
+        return (f"{num_workers} worker processes, each holding up to this process's {private / 2**20:.0f} MB, and "
                 f"{inflight / 2**20:.0f} MB of batches in flight could take "
                 f"{(num_workers * private + inflight) / 2**20:.0f} MB, over {policy.RAM_SHARE:.0%} of the "
                 f"{available / 2**20:.0f} MB of memory left (cgroup limits included): the out-of-memory killer "
@@ -102,9 +110,10 @@ def choose(dataset: Dataset, loader: LoaderConfig, collate_fn: Callable | None,
     num_workers = loader.num_workers
     if getattr(sys, "_is_gil_enabled", lambda: True)() is False:
         return "thread", "this Python runs without the GIL (free-threaded): threads fetch in parallel, sharing memory"
-    if forbidden:
-        return "thread", forbidden
     drawn = global_draws(dataset)
+    if forbidden:
+        return "thread", forbidden + (f"; the dataset draws from the global {drawn} RNG while fetching: with threads "
+                                      "its draws are not reproducible" if drawn else "")
     if drawn:
         return "process", (f"the dataset draws from the global {drawn} RNG while fetching: threads would share "
                            "that stream with training and each other (draw from dlpipe.sample_rng.sample_generator() "
@@ -115,10 +124,14 @@ def choose(dataset: Dataset, loader: LoaderConfig, collate_fn: Callable | None,
         return "thread", (f"{num_workers} threads fetched {speedup:.2f}x as fast as the main process alone (the "
                           "dataset releases the GIL): as fast as processes, without their memory, start-up and "
                           "hand-over")
-    processes = probe.time_processes(loader.multiprocessing_context)
-    items, one_batch_s = len(dataset), probe.serial_s / len(probe.batches)  # type: ignore[arg-type]
-    threads_s = probe.threads.epoch_s(items, probe.size, one_batch_s, restarts=True)
-    processes_s = processes.epoch_s(items, probe.size, one_batch_s, restarts=not loader.persistent_workers)
+    try:
+        processes = probe.time_processes(loader.multiprocessing_context)
+    except Exception as e:  # noqa: BLE001 - the threads fetched these batches: the job can run on them
+        return "thread", (f"{num_workers} worker processes failed on batches {num_workers} threads fetched "
+                          f"({type(e).__name__}: {user_message(e)[0]}): threads")
+    items = len(dataset)  # type: ignore[arg-type]
+    threads_s = probe.threads.epoch_s(items, probe.size, restarts=True)
+    processes_s = processes.epoch_s(items, probe.size, restarts=not loader.persistent_workers)
     facts = (f"{num_workers} threads fetched {speedup:.2f}x as fast as the main process alone, under "
              f"{THREAD_SCALING_MIN:g} x {num_workers}; timed on the same batches, an epoch of {items} items would take "
              f"{threads_s:.2f} s with {num_workers} threads and {processes_s:.2f} s with {num_workers} "
@@ -143,20 +156,23 @@ def global_draws(dataset: Dataset) -> str | None:
 
 @dataclass(frozen=True)
 class Timed:
-    """One way of fetching the probe's batches: seconds to its first batch and to its last."""
+    """One way of fetching the probe's batches with `workers` workers: seconds to its first batch and
+    to its last."""
 
     first_s: float
     total_s: float
     batches: int
+    workers: int
 
-    def epoch_s(self, items: int, batch_items: int, one_batch_s: float, restarts: bool) -> float:
-        """Predicted seconds for an epoch of `items` in batches of `batch_items`. The start-up is the
-        wait for the first batch beyond what fetching one batch takes (`one_batch_s`, in the main
-        process); the rest is the steady rate, paid again only when the workers start anew. Not the
-        gaps after the first batch: N workers deliver in waves of N."""
-        startup = min(max(self.first_s - one_batch_s, 0.0), self.total_s)
-        steady = (self.total_s - startup) / self.batches
-        return (startup if restarts else 0.0) + steady * items / batch_items
+    def epoch_s(self, items: int, batch_items: int, restarts: bool) -> float:
+        """Predicted seconds for an epoch of `items` in batches of `batch_items`. N workers deliver in
+        waves of N: the steady time per batch is the time after the first batch over the batches after
+        the first wave (the probe has 2 waves at least); the start-up is the first batch's wait beyond
+        one steady wave, paid again only when the workers start anew. Threads that hold the GIL are
+        late with their first batch for contention, not start-up: it comes out as steady time."""
+        per_batch = (self.total_s - self.first_s) / max(self.batches - self.workers, 1)
+        startup = max(self.first_s - per_batch * self.workers, 0.0)
+        return (startup if restarts else 0.0) + per_batch * items / batch_items
 
 
 class Probe:
@@ -164,7 +180,7 @@ class Probe:
     the loader training would use), and on demand by as many worker processes. In this thread, not in
     one worker thread: a lone worker that holds the GIL makes the pipeline's own threads wait for it,
     which would flatter N of them. The batches are sized by time, not by batch_size: about
-    PROBE_SERIAL_S of items a round (1 to 4 batches per worker, one item each at least),
+    PROBE_SERIAL_S of items a round (2 to 4 batches per worker, one item each at least),
     PROBE_ROUNDS rounds unless a round takes over a second; the best round of each side is kept (a
     descheduled one is only slower)."""
 
@@ -174,8 +190,9 @@ class Probe:
         started = time.perf_counter()
         self.gather[SampleBatch([0], 0)]
         item = max(time.perf_counter() - started, 1e-7)
-        per_worker = max(1, min(4, int(PROBE_SERIAL_S / (num_workers * item))))  # slow items: fewer, 1 at least
-        count = max(2, per_worker * num_workers)  # a start-up and a steady rate to tell apart
+        # slow items: fewer batches, but 2 waves at least (a start-up and a steady rate to tell apart)
+        per_worker = max(2, min(4, int(PROBE_SERIAL_S / (num_workers * item))))
+        count = per_worker * num_workers
         self.size = max(1, min(batch_size, n, int(PROBE_SERIAL_S / (count * item))))
         self.batches = [SampleBatch([(b * self.size + i) % n for i in range(self.size)], 0) for b in range(count)]
         self.rounds = PROBE_ROUNDS if count * self.size * item <= 4 * PROBE_SERIAL_S else 1  # a round of 1 s is steady
@@ -192,13 +209,16 @@ class Probe:
 
     def time_processes(self, context: str | None) -> Timed:
         """The same batches from `num_workers` worker processes (dlpipe's process loader, started
-        anew each round as an epoch without persistent workers starts them), the best round."""
-        from dlpipe.loader.worker_signals import SignalSafeLoader, worker_init_fn
+        anew each round as an epoch without persistent workers starts them), the best round; one
+        round with spawn or forkserver, whose workers import torch each time."""
+        from dlpipe.loader.worker_signals import SignalSafeLoader, start_helper_processes, worker_init_fn
 
+        start_helper_processes(context)  # first: multiprocessing starts them once, as the run needs them
+        rounds = 1 if context in ("spawn", "forkserver") else self.rounds
         return min((_time(SignalSafeLoader(self.gather, batch_size=None, sampler=self.batches,
-                                           num_workers=self.num_workers, prefetch_factor=2,
+                                           num_workers=self.num_workers, prefetch_factor=2, timeout=PROBE_TIMEOUT_S,
                                            multiprocessing_context=context, worker_init_fn=worker_init_fn()))
-                    for _ in range(self.rounds)), key=lambda t: t.total_s)
+                    for _ in range(rounds)), key=lambda t: t.total_s)
 
 
 def _time(loader) -> Timed:
@@ -215,7 +235,7 @@ def _time(loader) -> Timed:
         next(batches)
     total = time.perf_counter() - started
     del batches  # a process loader's workers stop here, before the next round forks again
-    return Timed(first, total, len(loader))
+    return Timed(first, total, len(loader), loader.num_workers)
 
 
 def _states() -> dict:

@@ -102,12 +102,13 @@ def build_data_and_model(cfg: DlpipeConfig):
 
 
 def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, train_set,
-                       world: int = 1) -> tuple[LoaderConfig, dict[str, str]]:
+                       world: int = 1, model=None) -> tuple[LoaderConfig, dict[str, str]]:
     """The automatic loader values, decided again on the built training split: the workers go when
     items are cheap to fetch in this process (data in memory), and persistence is decided on the
     real batches per epoch, and loader.fetch=auto becomes batch where the dataset gathers a batch equal
     to its per-item collate (loader.fetch). Values the user set stand (the lint and `dlpipe tune` can question
-    them). Returns the loader settings and the reason for each value decided here."""
+    them). `model`: the model, when it is already built (its memory is not the workers'). Returns the
+    loader settings and the reason for each value decided here."""
     from dlpipe.config.decisions import prefetch, workers_for_data
     from dlpipe.loader.probe import item_fetch_seconds
 
@@ -137,8 +138,17 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
     if loader.worker_method == "auto":
         from dlpipe.loader import worker_method
 
-        loader = worker_method.fit(loader, raw_loader, train_set, build_collate(loader), reasons)
+        loader = worker_method.fit(loader, raw_loader, train_set, build_collate(loader), reasons,
+                                   model_bytes=cpu_bytes(model) if model is not None else 0)
     return loader, reasons
+
+
+def cpu_bytes(model) -> int:
+    """Bytes of a model's parameters and buffers in CPU memory."""
+    import itertools
+
+    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers())
+               if t.device.type == "cpu")
 
 
 def build_collate(loader: LoaderConfig):

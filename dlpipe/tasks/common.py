@@ -158,12 +158,13 @@ def check_tracking_reachable(tracking: TrackingConfig) -> None:
                           "point tracking.uri at a running one, or use tracking=none")
 
 
-def fit_loader(raw: dict, cfg: DlpipeConfig, train_set, decided: dict[str, str], world: int = 1) -> None:
-    """The automatic loader values fitted to the built training split (tasks.build.fit_loader_to_data):
-    cfg.loader updated, each new reason logged and recorded."""
+def fit_loader(raw: dict, cfg: DlpipeConfig, train_set, decided: dict[str, str], world: int = 1,
+               model=None) -> None:
+    """The automatic loader values fitted to the built training split (tasks.build.fit_loader_to_data;
+    `model` where already built): cfg.loader updated, each new reason logged and recorded."""
     from dlpipe.tasks.build import fit_loader_to_data
 
-    cfg.loader, reasons = fit_loader_to_data(raw["loader"], cfg.loader, cfg.trainer.epochs, train_set, world)
+    cfg.loader, reasons = fit_loader_to_data(raw["loader"], cfg.loader, cfg.trainer.epochs, train_set, world, model)
     for key, why in reasons.items():
         if decided.get(key) != why:  # said once: the resolver's reason stands when it already knew
             decided[key] = why

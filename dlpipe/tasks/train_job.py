@@ -262,7 +262,7 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     train_set, val_set, model, optimizer = build_data_and_model(cfg)
     if before_measuring is not None:
         before_measuring()
-    fit_loader(raw, cfg, train_set, decided, ranks.world)
+    fit_loader(raw, cfg, train_set, decided, ranks.world, model)
     train_plan, val_plan = build_loaders(cfg, train_set, val_set, ranks.rank, ranks.world)
     batches = epoch_batches(train_plan.loader, cfg.trainer.limit_train_batches)
     schedule = build_scheduler(cfg, optimizer, optimizer_steps(batches, cfg.trainer.accumulate))
