@@ -267,6 +267,20 @@ def test_auto_picks_threads_where_they_scale_and_processes_where_they_cannot():
                    "no such device in a worker (DataLoader worker process 0)): threads")
 
 
+def test_one_worker_is_a_thread_only_where_two_threads_show_the_gil_released():
+    """One thread fetches as fast as the main process whether or not the dataset holds the GIL, so the
+    probe times two: sleeping items scale (a thread), GIL-bound ones do not (a process, which fetches
+    beside the training loop instead of taking the GIL from it)."""
+    wrap = lambda d: NamedErrors(Subset(d, range(len(d))))  # noqa: E731 - as training builds it
+    one = LoaderConfig(batch_size=8, num_workers=1, persistent_workers=True)
+    method, why = choose(wrap(Augments(size=64, delay_s=0.01)), one, None, forbidden=None)
+    assert (method, why.split(" fetched")[0]) == ("thread", "2 threads"), why
+    method, why = choose(wrap(HoldsTheGIL(size=64)), one, None, forbidden=None)
+    assert method == "process", why
+    assert why.endswith("(the dataset holds the GIL): one worker thread would take the GIL from the training "
+                        "loop, one process fetches beside it")
+
+
 def test_a_probes_epoch_prediction_separates_start_up_from_the_steady_rate():
     """2 workers deliver 8 batches of 4 items in 4 waves: processes that start in 0.2 s, then take 0.1 s
     a wave, see their first batch at 0.3 s and the last at 0.6 s: 0.05 s a batch steady. An epoch of 64

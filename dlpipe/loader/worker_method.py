@@ -118,12 +118,17 @@ def choose(dataset: Dataset, loader: LoaderConfig, collate_fn: Callable | None,
         return "process", (f"the dataset draws from the global {drawn} RNG while fetching: threads would share "
                            "that stream with training and each other (draw from dlpipe.sample_rng.sample_generator() "
                            "to make threads possible)")
-    probe = Probe(dataset, num_workers, loader.batch_size, collate_fn)
+    scaling = max(num_workers, 2)  # one thread fetches as fast as the main process, GIL or not: 2 tell
+    probe = Probe(dataset, scaling, loader.batch_size, collate_fn)
     speedup = probe.serial_s / probe.threads.total_s
-    if speedup >= THREAD_SCALING_MIN * num_workers:
-        return "thread", (f"{num_workers} threads fetched {speedup:.2f}x as fast as the main process alone (the "
+    if speedup >= THREAD_SCALING_MIN * scaling:
+        return "thread", (f"{scaling} threads fetched {speedup:.2f}x as fast as the main process alone (the "
                           "dataset releases the GIL): as fast as processes, without their memory, start-up and "
                           "hand-over")
+    if num_workers == 1:
+        return "process", (f"2 threads fetched only {speedup:.2f}x as fast as the main process alone, under "
+                           f"{THREAD_SCALING_MIN:g} x 2 (the dataset holds the GIL): one worker thread would take "
+                           "the GIL from the training loop, one process fetches beside it")
     try:
         processes = probe.time_processes(loader.multiprocessing_context)
     except Exception as e:  # noqa: BLE001 - the threads fetched these batches: the job can run on them
