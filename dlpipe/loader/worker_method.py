@@ -11,13 +11,11 @@ are not reproducible: then threads are taken for such a dataset too, and the rea
 free-threaded Python there is no GIL to share.
 """
 
-import random
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -149,13 +147,16 @@ def choose(dataset: Dataset, loader: LoaderConfig, collate_fn: Callable | None,
 def global_draws(dataset: Dataset) -> str | None:
     """Which global RNG (torch, numpy, random) fetching a few training items advanced, or None.
     The items are fetched as training fetches them (a SampleBatch: sample_generator() is theirs)."""
+    from dlpipe.training import rng
+
     n = len(dataset)  # type: ignore[arg-type]
-    before = _states()
+    before = rng.capture()
     BatchGather(dataset, None, lambda items: items)[SampleBatch(
         sorted({i * (n - 1) // max(RNG_PROBE_ITEMS - 1, 1) for i in range(min(RNG_PROBE_ITEMS, n))}), 0)]
-    after = _states()
-    changed = [name for name in before if not _same(before[name], after[name])]
-    _restore(before)
+    after = rng.capture()
+    rng.restore(before)
+    changed = [name for key, name in (("torch", "torch"), ("numpy", "numpy"), ("python", "random"))
+               if not _same(before[key], after[key])]
     return " and ".join(changed) or None
 
 
@@ -243,21 +244,10 @@ def _time(loader) -> Timed:
     return Timed(first, total, len(loader), loader.num_workers)
 
 
-def _states() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
-
-
 def _same(a, b) -> bool:
+    """Whether two of rng.capture()'s states are equal (tensors, and lists or tuples of them and plain values)."""
     if isinstance(a, torch.Tensor):
         return bool(torch.equal(a, b))
-    if isinstance(a, tuple):  # numpy's (name, keys, pos, has_gauss, gauss) and random's (version, internal, gauss)
-        return all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, np.ndarray):
-        return bool(np.array_equal(a, b))
+    if isinstance(a, list | tuple):  # numpy's [name, keys, pos, has_gauss, gauss], random's (version, internal, gauss)
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
-
-
-def _restore(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
-    random.setstate(states["random"])
