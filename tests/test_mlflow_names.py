@@ -5,7 +5,7 @@ the dataset as a run input (tracking/dataset_input.py)."""
 import pytest
 
 from dlpipe.tasks.fit_checks import TELEMETRY_METRICS
-from dlpipe.tracking.dataset_input import describe, mlflow_inputs
+from dlpipe.tracking.dataset_input import describe, log_inputs, mlflow_inputs
 from dlpipe.tracking.metric_names import dlpipe_name, mlflow_name
 from dlpipe.tracking.run_names import job_name, sweep_name
 from dlpipe.tracking.sweep import swept_keys
@@ -56,6 +56,37 @@ def test_a_dataset_in_a_folder_is_a_local_source_and_its_digest_follows_its_conf
     digest = described["splits"]["train"]["digest"]
     assert describe(config, {"train": 90})["splits"]["train"]["digest"] == digest  # same data, same settings
     assert describe({**config, "image_size": 64}, {"train": 90})["splits"]["train"]["digest"] != digest
+
+
+def test_a_run_that_loses_the_stores_dataset_race_still_logs_its_input(tmp_path):
+    """Two jobs of a parallel sweep log one dataset into one experiment: MLflow's store looks it up,
+    misses it, and the other job inserts it before this one writes. The store refuses the second
+    insert on its unique key; log_inputs writes again and links the winner's dataset."""
+    from mlflow import MlflowClient
+    from sqlalchemy import event
+    from sqlalchemy.orm import Session
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("race")
+    winner, loser, dlpipe_loser = (client.create_run(experiment).info.run_id for _ in range(3))
+
+    def race(described, write) -> None:
+        """write() while the winner logs the same dataset between write's lookup and its insert."""
+        event.listen(Session, "before_flush",
+                     lambda *args: client.log_inputs(winner, datasets=mlflow_inputs(described)), once=True)
+        write()
+
+    first = describe({"_target_": "dlpipe.data.tabular.Tabular", "size": 512}, {"train": 512})
+    with pytest.raises(Exception, match="UNIQUE constraint failed: datasets"):  # what MLflow alone does
+        race(first, lambda: client.log_inputs(loser, datasets=mlflow_inputs(first)))
+    second = describe({"_target_": "dlpipe.data.tabular.Tabular", "size": 256}, {"train": 256})
+    race(second, lambda: log_inputs(client, dlpipe_loser, second))
+
+    logged = {run: [i.dataset.digest for i in client.get_run(run).inputs.dataset_inputs]
+              for run in (winner, loser, dlpipe_loser)}
+    [first_digest, second_digest] = (d["splits"]["train"]["digest"] for d in (first, second))
+    assert (sorted(logged[winner]), logged[loser], logged[dlpipe_loser]) == (
+        sorted([first_digest, second_digest]), [], [second_digest])
 
 
 def test_monitors_may_be_named_as_mlflow_shows_them(caplog):

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from dlpipe.redact import redact_tree
 
+RACE_RETRIES = 3
+"""Tries of a run-input write that lost the store's dataset race (log_inputs) before its error stands."""
+
 PATH_KEYS = ("root", "path", "data_dir", "data_path", "file", "files")
 """Dataset config keys that name where the data lives (image_folder's `root`, custom datasets' `path`)."""
 
@@ -53,3 +56,28 @@ def mlflow_inputs(described: dict) -> list:
                                  profile=json.dumps({"samples": split["samples"]})),
                          tags=[InputTag("mlflow.data.context", context)])
             for context, split in described["splits"].items()]
+
+
+def log_inputs(client, run_id: str, described: dict) -> None:
+    """Log describe()'s result as the run's inputs. MLflow's stores look a dataset up and insert it
+    when missing, in one transaction but without a lock: the jobs of a parallel sweep (one
+    experiment, one dataset) that log it at the same moment can all miss it, and all but the first
+    insert then fail on the store's unique key (UNIQUE constraint failed: datasets.experiment_id,
+    datasets.name, datasets.digest). The loser's transaction is rolled back, so writing again is
+    safe, and it finds the winner's dataset and links it to this run."""
+    for attempt in range(1, RACE_RETRIES + 1):
+        try:
+            client.log_inputs(run_id, datasets=mlflow_inputs(described))
+            return
+        except Exception as e:
+            if attempt == RACE_RETRIES or not lost_insert_race(e):
+                raise
+
+
+def lost_insert_race(error: Exception) -> bool:
+    """Whether a store refused a write on a unique key (SQLite, PostgreSQL and MySQL say it so; a
+    tracking server passes the store's message on)."""
+    from mlflow.exceptions import MlflowException
+
+    text = str(error).lower()
+    return isinstance(error, MlflowException) and ("unique constraint" in text or "duplicate" in text)

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from dlpipe.disk import write_failure
 from dlpipe.errors import causes, first_line
 from dlpipe.redact import without_password
-from dlpipe.tracking.dataset_input import mlflow_inputs
+from dlpipe.tracking.dataset_input import log_inputs
 from dlpipe.tracking.http_probe import http_silence
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class Outbox:
                 elif "text" in entry:
                     client.log_text(self.run_id, entry["text"], entry["artifact_file"])
                 elif "inputs" in entry:
-                    client.log_inputs(self.run_id, datasets=mlflow_inputs(entry["inputs"]))
+                    log_inputs(client, self.run_id, entry["inputs"])
                 elif "artifact" in entry:
                     if Path(entry["artifact"]).exists():
                         client.log_artifact(self.run_id, entry["artifact"], entry["artifact_path"])

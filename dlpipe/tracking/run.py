@@ -30,7 +30,7 @@ from dlpipe.redact import redact_text
 from dlpipe.stop import Terminated
 from dlpipe.tracking.abandoned import END_REASON_TAG, Owner, close_previous, write_marker
 from dlpipe.tracking.client import client_for, experiment_id
-from dlpipe.tracking.dataset_input import mlflow_inputs
+from dlpipe.tracking.dataset_input import log_inputs
 from dlpipe.tracking.metric_names import metric_rows
 from dlpipe.tracking.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, outage_reason, unreachable
 from dlpipe.tracking.store_lock import absolute_uri
@@ -228,7 +228,7 @@ class MlflowRun:
 
     def log_inputs(self, described: dict) -> None:
         """The dataset as the run's input, once per split it fed (tracking.dataset_input.describe)."""
-        self._write(lambda: self.client.log_inputs(self.run_id, datasets=mlflow_inputs(described)),
+        self._write(lambda: log_inputs(self.client, self.run_id, described),
                     lambda: self.outbox.inputs(described))
 
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
