@@ -57,6 +57,7 @@ from dlpipe.config import decisions  # noqa: E402
 from dlpipe.loader.build import batch_bytes  # noqa: E402
 from dlpipe.loader.faults import NamedErrors  # noqa: E402
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard  # noqa: E402
+from dlpipe.loader.threads import fetch_cpu_seconds  # noqa: E402
 from dlpipe.sample_rng import sample_generator  # noqa: E402
 from dlpipe.schema import BenchConfig, LoaderConfig  # noqa: E402
 from dlpipe.tasks.build import fit_loader_to_data  # noqa: E402
@@ -370,7 +371,7 @@ def summary(results: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     budget = hardware.cpu_budget().budget
-    sampler = ResourceSampler(args.sample_interval, budget).start()
+    sampler = ResourceSampler(args.sample_interval, budget, thread_cpu=fetch_cpu_seconds).start()
     report = ["# loader backends", "",
               f"{platform.machine()}, {os.cpu_count()} CPUs, dlpipe CPU budget {budget}, torch {torch.__version__}, "
               f"Python {platform.python_version()}; {args.rounds} rounds over every config in a shuffled order, "

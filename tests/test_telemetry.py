@@ -169,6 +169,44 @@ def test_workers_that_exit_between_two_samples_still_count():
     assert w["cpu_workers_pct"] / 100 * wall >= items_cpu - TICK_SLACK_S
 
 
+class ThreadBusy(BusyDataset):
+    """BusyDataset for thread workers: each item is the CPU its own thread spent making it."""
+
+    def __getitem__(self, i):
+        t0 = time.thread_time()
+        total = 0
+        for k in range(400_000):
+            total += k * k % 7
+        return torch.tensor([time.thread_time() - t0])
+
+
+def test_thread_workers_cpu_is_the_workers_not_the_main_process():
+    """Thread workers burn CPU inside this process: the window counts it as the workers' (at least
+    what the items measured), and the main process's share is what is left (it only waits here)."""
+    from torch.utils.data import Subset
+
+    from dlpipe.loader.build import build_loader
+    from dlpipe.loader.faults import NamedErrors
+    from dlpipe.loader.threads import fetch_cpu_seconds
+
+    dataset = ThreadBusy(24)
+    loader = build_loader(NamedErrors(Subset(dataset, range(len(dataset)))), batch_size=1, num_workers=2,
+                          pin_memory=False, prefetch_factor=2, persistent_workers=False, shuffle=False,
+                          drop_last=False, timeout=0.0, multiprocessing_context=None, seed=0, cuda=False,
+                          worker_method="thread").loader
+    assert loader.worker_method == "thread"
+    sampler = ResourceSampler(interval_s=0.1, cpu_budget=2, thread_cpu=fetch_cpu_seconds).start()
+    try:
+        sampler.window()
+        w, wall, items_cpu = run_epoch(loader, sampler)
+    finally:
+        sampler.stop()
+    assert w["workers_alive"] == 0  # no worker process: the threads are this process's
+    workers_cpu, main_cpu = (w[key] / 100 * max(wall, 0.1) for key in ("cpu_workers_pct", "cpu_main_pct"))
+    assert workers_cpu >= items_cpu - TICK_SLACK_S
+    assert main_cpu < items_cpu / 2  # without the threads' count, all of it would be here
+
+
 def test_windows_a_few_ms_long_stay_within_what_the_processes_can_use():
     """window() right after window(), while workers compute, keeps cpu_util in [0, 100 x processes]: no tick spike."""
     workers = 2

@@ -19,6 +19,7 @@ import atexit
 import queue
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -27,6 +28,18 @@ from torch._utils import ExceptionWrapper
 from dlpipe.loader.fetch import BatchGather, EpochBatches
 
 _END = object()
+
+_fetch_cpu = [0.0]  # CPU seconds worker threads spent in _Fetch, all loaders of this process
+_fetch_cpu_lock = threading.Lock()
+
+
+def fetch_cpu_seconds() -> float:
+    """CPU seconds this process's worker threads have spent fetching batches, since it started.
+    A process's CPU times do not say which thread spent them, and torchdata's threads are anonymous,
+    so the map function counts its own thread's CPU (time.thread_time, nanoseconds) per batch: the
+    resource sampler moves this share from the main process's CPU to the workers'."""
+    with _fetch_cpu_lock:
+        return _fetch_cpu[0]
 
 
 def worker_method_of(loader) -> str:
@@ -106,10 +119,15 @@ class _Fetch:
         self.gather = gather
 
     def __call__(self, indices):
+        started = time.thread_time()
         try:
             return self.gather[indices]
         except Exception:  # noqa: BLE001 - handed to the main thread, which raises it (_unwrap_errors)
             return _Failed(ExceptionWrapper(where="in a DataLoader worker thread"))
+        finally:
+            spent = time.thread_time() - started
+            with _fetch_cpu_lock:
+                _fetch_cpu[0] += spent
 
 
 def _unwrap_errors(graph: list, count: int) -> Iterator:

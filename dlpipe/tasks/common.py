@@ -95,6 +95,7 @@ class Measurement:
 
 def prepare_measurement(ctx: JobContext, raw: dict, resolved: dict) -> Measurement:
     """The checks and objects bench and tune share."""
+    from dlpipe.loader.threads import fetch_cpu_seconds
     from dlpipe.tasks.build import build_datasets, build_loaders, build_model
     from dlpipe.telemetry.sampler import ResourceSampler
     from dlpipe.training.rng import seed_everything
@@ -109,7 +110,8 @@ def prepare_measurement(ctx: JobContext, raw: dict, resolved: dict) -> Measureme
     plan, _ = build_loaders(cfg, train_set, None)
     budget = hardware.cpu_budget()
     warn_about_loaders(cfg, train_set, (plan,), budget.budget)
-    sampler = ResourceSampler(cfg.telemetry.sample_interval_s, budget.budget, gpu_for(cfg.trainer.device))
+    sampler = ResourceSampler(cfg.telemetry.sample_interval_s, budget.budget, gpu_for(cfg.trainer.device),
+                              thread_cpu=fetch_cpu_seconds)
     return Measurement(cfg, train_set, plan, step, sampler, budget, decided)
 
 

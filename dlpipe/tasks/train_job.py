@@ -301,6 +301,7 @@ def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, c
     the Trainer's schedule, objective, val_metrics and callbacks (built in tasks.build)."""
     import torch
 
+    from dlpipe.loader.threads import fetch_cpu_seconds
     from dlpipe.telemetry.profiling import AllocationSnapshot, StepProfiler
     from dlpipe.telemetry.sampler import ResourceSampler
     from dlpipe.training import distributed
@@ -310,7 +311,8 @@ def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, c
     # Ranks other than 0 show no progress bar: one per job is what a person reads.
     settings = cfg.trainer if ranks.is_main else replace(cfg.trainer, progress=False)
     device_type = settings.device.partition(":")[0]
-    sampler = ResourceSampler(telemetry.sample_interval_s, cpu_budget, gpu_for(settings.device))
+    sampler = ResourceSampler(telemetry.sample_interval_s, cpu_budget, gpu_for(settings.device),
+                              thread_cpu=fetch_cpu_seconds)
     profile_dir = ctx.output_dir / "profile"
     # Profiles are rank 0's: the ranks run the same code, and one trace is what a person reads.
     profiler = StepProfiler(profile_dir, telemetry.profile_steps if ranks.is_main else 0, telemetry.profile_wait,

@@ -9,6 +9,7 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
@@ -96,14 +97,18 @@ class ResourceSampler:
     """Samples CPU (this process and its DataLoader workers), RSS, system memory and GPU on a thread.
 
     `window()` returns the figures since the previous call, so each epoch gets its own numbers.
-    "Workers" are all descendant processes, including those that exited since the last sample.
+    "Workers" are all descendant processes, including those that exited since the last sample, and
+    thread workers: `thread_cpu` gives the CPU seconds they have spent so far (cumulative; the
+    loader's threads count their own), which is moved from this process's CPU to the workers'.
     GPU metrics appear only when NVML works; otherwise `gpu_status` says why, once.
     """
 
     def __init__(
-        self, interval_s: float = 0.5, cpu_budget: int | None = None, gpu_index: int | str | None = None
+        self, interval_s: float = 0.5, cpu_budget: int | None = None, gpu_index: int | str | None = None,
+        thread_cpu: Callable[[], float] | None = None,
     ):
         self.interval_s = interval_s
+        self._thread_cpu = thread_cpu
         self.cpu_budget = cpu_budget or hardware.cpu_budget().budget
         self._proc = psutil.Process()
         self._main_cpu_s = 0.0  # this process's own cumulative CPU at the last sample
@@ -148,17 +153,18 @@ class ResourceSampler:
             self._sample()
 
     def _read_tree(self) -> tuple[float, float, int, int, int]:
-        """Cumulative CPU seconds of (this process, its descendants), the descendants' total and largest
-        RSS in bytes, and how many of them are DataLoader workers.
+        """Cumulative CPU seconds of (this process, its descendants and worker threads), the
+        descendants' total and largest RSS in bytes, and how many of them are DataLoader workers.
 
         A descendant's CPU is in exactly one place: its own times while it is listed, its reaper's
         children times once it was reaped (DataLoader joins its workers; forkserver workers are
         reaped by the forkserver, a descendant too). Summing both counts every worker's whole life,
         including one born and gone between two samples, with no per-pid bookkeeping.
         """
+        threads = self._thread_cpu() if self._thread_cpu is not None else 0.0
         t = self._proc.cpu_times()
-        main = t.user + t.system
-        descendants = t.children_user + t.children_system
+        main = t.user + t.system - threads
+        descendants = t.children_user + t.children_system + threads
         rss = biggest = workers = 0
         for p in self._proc.children(recursive=True):
             try:
@@ -210,8 +216,10 @@ class ResourceSampler:
             return
         elapsed = max(now - self._last_t, 1e-6)
         self._last_t = now
-        main = main_total - self._main_cpu_s
-        self._main_cpu_s = main_total
+        # The process's times tick at 10 ms and the threads' count in nanoseconds, so the main
+        # process's share can dip by a tick: a high-water mark as for the workers below.
+        main = max(main_total - self._main_cpu_s, 0.0)
+        self._main_cpu_s = max(main_total, self._main_cpu_s)
         # A worker that exited but is not reaped yet (or is reaped between our reads) is in neither
         # sum for a moment, so the total can dip. Counting only growth above the high-water mark
         # keeps the dip from being counted a second time when the worker shows up in our children times.
