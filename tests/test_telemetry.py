@@ -71,18 +71,18 @@ class BusyDataset(Dataset):
     Each item is the CPU time its worker spent making it, measured inside the worker.
     """
 
-    def __init__(self, n: int = 24):
-        self.n = n
+    def __init__(self, n: int = 24, clock=time.process_time):
+        self.n, self.clock = n, clock  # time.thread_time for thread workers: a process's time holds every thread's
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
-        t0 = time.process_time()
+        t0 = self.clock()
         total = 0
         for k in range(400_000):
             total += k * k % 7
-        return torch.tensor([time.process_time() - t0])
+        return torch.tensor([self.clock() - t0])
 
 
 def sampler_threads() -> set[threading.Thread]:
@@ -169,17 +169,6 @@ def test_workers_that_exit_between_two_samples_still_count():
     assert w["cpu_workers_pct"] / 100 * wall >= items_cpu - TICK_SLACK_S
 
 
-class ThreadBusy(BusyDataset):
-    """BusyDataset for thread workers: each item is the CPU its own thread spent making it."""
-
-    def __getitem__(self, i):
-        t0 = time.thread_time()
-        total = 0
-        for k in range(400_000):
-            total += k * k % 7
-        return torch.tensor([time.thread_time() - t0])
-
-
 def test_thread_workers_cpu_is_the_workers_not_the_main_process():
     """Thread workers burn CPU inside this process: the window counts it as the workers' (at least
     what the items measured), and the main process's share is what is left (it only waits here)."""
@@ -189,7 +178,7 @@ def test_thread_workers_cpu_is_the_workers_not_the_main_process():
     from dlpipe.loader.faults import NamedErrors
     from dlpipe.loader.threads import fetch_cpu_seconds
 
-    dataset = ThreadBusy(24)
+    dataset = BusyDataset(24, clock=time.thread_time)
     loader = build_loader(NamedErrors(Subset(dataset, range(len(dataset)))), batch_size=1, num_workers=2,
                           pin_memory=False, prefetch_factor=2, persistent_workers=False, shuffle=False,
                           drop_last=False, timeout=0.0, multiprocessing_context=None, seed=0, cuda=False,
