@@ -113,8 +113,9 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
     from dlpipe.loader.probe import item_fetch_seconds
 
     reasons = {}
+    collate = build_collate(loader)  # the decisions below replace other fields, never collate_fn
     if policy.is_auto(raw_loader["num_workers"], "auto_workers") and loader.num_workers and len(train_set):
-        seconds = item_fetch_seconds(train_set, loader.batch_size, collate_fn=build_collate(loader))
+        seconds = item_fetch_seconds(train_set, loader.batch_size, collate_fn=collate)
         decision = workers_for_data(loader.num_workers, seconds)
         if decision.value != loader.num_workers:
             loader = replace(loader, num_workers=decision.value)
@@ -132,13 +133,13 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
     if loader.fetch == "auto" and len(train_set):
         from dlpipe.loader.fetch import find_gather
 
-        how, why = find_gather(train_set, build_collate(loader))
+        how, why = find_gather(train_set, collate)
         loader = replace(loader, fetch="batch" if how else "item")
         reasons["loader.fetch"] = f"{loader.fetch} (auto: {why if how else 'item by item: ' + why})"
     if loader.worker_method == "auto":
         from dlpipe.loader import worker_method
 
-        loader = worker_method.fit(loader, raw_loader, train_set, build_collate(loader), reasons,
+        loader = worker_method.fit(loader, raw_loader, train_set, collate, reasons,
                                    model_bytes=cpu_bytes(model) if model is not None else 0)
     return loader, reasons
 
