@@ -39,6 +39,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from benchmarks.common import SlowItems, finish, spread  # noqa: E402
+from benchmarks.options import arguments, checked  # noqa: E402
 from dlpipe.schema import TrainerConfig  # noqa: E402
 from dlpipe.training.runner import Trainer  # noqa: E402
 
@@ -47,22 +48,12 @@ BATCH = 4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds of A and B, after one warm-up (default 5)")
+    p = arguments(__doc__, 5, "measured rounds of A and B, after one warm-up")
     p.add_argument("--items", type=int, default=24, help="items per epoch, batches of 4 (default 24, as the old test)")
     p.add_argument("--item-ms", type=float, default=30.0, help="sleep per item of the slow loader (default 30)")
     p.add_argument("--compute-ms", type=float, default=0.0, help="sleep per forward of the model (default 0)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
-    p.add_argument("--out", type=Path, help="also write the markdown table to this file")
-    args = p.parse_args(argv)
-    for name in ("rounds", "items", "threads"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name}={getattr(args, name)}: must be >= 1")
-    for name in ("item_ms", "compute_ms"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 0")
-    return args
+    return checked(p, argv, counts=("items", "threads"), non_negative=("item_ms", "compute_ms"))
 
 
 class SleepyLinear(nn.Module):

@@ -24,6 +24,7 @@ if not __package__:  # run as `python benchmarks/fetch_modes.py` from a checkout
 import torch  # noqa: E402
 
 from benchmarks.common import finish, spread  # noqa: E402
+from benchmarks.options import arguments, checked, worker_counts  # noqa: E402
 from dlpipe.data.sequences import TokenSequenceDataset  # noqa: E402
 from dlpipe.data.tabular import TabularDataset  # noqa: E402
 from dlpipe.loader.build import build_loader  # noqa: E402
@@ -32,23 +33,12 @@ GOAL = 2.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds of A and B, after one warm-up (default 5)")
+    p = arguments(__doc__, 5, "measured rounds of A and B, after one warm-up")
     p.add_argument("--rows", type=int, default=50000, help="items of each dataset (default 50000)")
     p.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
     p.add_argument("--workers", default="0,2", help="worker counts, comma-separated (default 0,2)")
-    p.add_argument("--out", type=Path, help="also write the markdown table to this file")
-    args = p.parse_args(argv)
-    for name in ("rounds", "rows", "batch_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    try:
-        args.worker_counts = [int(w) for w in args.workers.split(",")]
-    except ValueError:
-        p.error(f"--workers={args.workers}: comma-separated counts, e.g. 0,2")
-    if any(w < 0 for w in args.worker_counts):
-        p.error(f"--workers={args.workers}: counts must be >= 0")
+    args = checked(p, argv, counts=("rows", "batch_size"))
+    args.worker_counts = worker_counts(p, args.workers, 0, "0,2")
     return args
 
 

@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from benchmarks.common import SlowItems, finish, spread  # noqa: E402
+from benchmarks.options import arguments, checked  # noqa: E402
 from dlpipe.data.tabular import TabularDataset  # noqa: E402
 from dlpipe.data.vision import SyntheticJPEGDataset  # noqa: E402
 from dlpipe.loader.policy import CHEAP_ITEM_S  # noqa: E402
@@ -39,22 +40,13 @@ SLOW_PROBE_GOAL_S = 0.5  # what the old test allowed a probe of 5 ms items
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds, after one warm-up (default 5)")
+    p = arguments(__doc__, 5, "measured rounds, after one warm-up")
     p.add_argument("--batch-size", type=int, default=64, help="the probe's batch size (default 64)")
     p.add_argument("--memory-size", type=int, default=50000, help="rows of the in-memory dataset (default 50000)")
     p.add_argument("--decode-size", type=int, default=256, help="images of the JPEG dataset (default 256)")
     p.add_argument("--image-size", type=int, default=64, help="side of the stored JPEG images (default 64)")
     p.add_argument("--slow-ms", type=float, default=5.0, help="sleep per item of the slow dataset (default 5)")
-    p.add_argument("--out", type=Path, help="also write the markdown table to this file")
-    args = p.parse_args(argv)
-    for name in ("rounds", "batch_size", "memory_size", "decode_size", "image_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    if args.slow_ms <= 0:
-        p.error(f"--slow-ms={args.slow_ms}: must be > 0")
-    return args
+    return checked(p, argv, counts=("batch_size", "memory_size", "decode_size", "image_size"), positive=("slow_ms",))
 
 
 def datasets(args) -> dict[str, Dataset]:

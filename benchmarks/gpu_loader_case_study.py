@@ -34,6 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
+if not __package__:  # run as `python benchmarks/gpu_loader_case_study.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.options import arguments, checked  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = ("pytorch", "auto")
 EXPERIMENT = "case-study"
@@ -43,19 +48,14 @@ PUBLISHED = "Published case study: GPU utilisation 65% -> 89%, epoch 53 -> 37 mi
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=2, help="rounds of both settings (default 2)")
+    p = arguments(__doc__, 2, "rounds of both settings")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a dlpipe override passed to every run, repeatable (e.g. --set dataset.size=20000)")
-    p.add_argument("--out", type=Path, help="also write the markdown table to this file")
     p.add_argument("--workdir", type=Path,
                    help="keep the MLflow store (m.db), Hydra outputs and run logs here "
                         "(default: a temporary directory)")
     p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU (for testing the script)")
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error(f"--rounds={args.rounds}: must be >= 1")
+    args = checked(p, argv)
     for o in args.overrides:
         if "=" not in o or o.startswith("="):
             p.error(f"--set {o}: expected KEY=VALUE, e.g. --set dataset.size=20000")

@@ -52,6 +52,7 @@ import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from benchmarks.common import finish  # noqa: E402
+from benchmarks.options import arguments, checked, worker_counts  # noqa: E402
 from dlpipe import hardware  # noqa: E402
 from dlpipe.config import decisions  # noqa: E402
 from dlpipe.loader.build import batch_bytes  # noqa: E402
@@ -100,9 +101,7 @@ class PythonAugmented(Dataset):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3, help="rounds over the whole grid (default 3)")
+    p = arguments(__doc__, 3, "rounds over the whole grid")
     p.add_argument("--held-out", type=int, default=5,
                    help="rounds measuring only the oracle, the picks and the best process and thread configs "
                         "again after the grid's rounds chose them; the report's ratios are theirs (default 5)")
@@ -122,20 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="values the Python jitter touches per item (default 1024)")
     p.add_argument("--pipelines", default=",".join(PIPELINES), help=f"some of {','.join(PIPELINES)} (default all)")
     p.add_argument("--sample-interval", type=float, default=0.1, help="RSS sampling interval in s (default 0.1)")
-    p.add_argument("--out", type=Path, help="also write the markdown report to this file")
-    args = p.parse_args(argv)
-    for name in ("rounds", "held_out", "repeats", "warmup", "rows", "tokens", "images", "image_size", "python_ops",
-                 "large_images"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    if args.measure_epochs <= 0 or args.sample_interval <= 0:
-        p.error("--measure-epochs and --sample-interval must be > 0")
-    try:
-        args.worker_counts = sorted({int(w) for w in args.workers.split(",")})
-    except ValueError:
-        p.error(f"--workers={args.workers}: comma-separated counts, e.g. 1,2,3,4")
-    if any(w < 1 for w in args.worker_counts):
-        p.error(f"--workers={args.workers}: counts must be >= 1 (0 is always in the grid)")
+    args = checked(p, argv, counts=("held_out", "repeats", "warmup", "rows", "tokens", "images", "image_size",
+                                    "python_ops", "large_images"), positive=("measure_epochs", "sample_interval"))
+    # sorted and unique, 0 left out: the grid always has 0 workers
+    args.worker_counts = sorted(set(worker_counts(p, args.workers, 1, "1,2,3,4")))
     args.chosen = [n.strip() for n in args.pipelines.split(",") if n.strip()]
     if not args.chosen or set(args.chosen) - set(PIPELINES):
         p.error(f"--pipelines={args.pipelines}: choose from {','.join(PIPELINES)}")

@@ -34,6 +34,7 @@ from pathlib import Path
 if not __package__:  # run as `python benchmarks/loader_tuning.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.options import arguments, checked  # noqa: E402
 from dlpipe import hardware  # noqa: E402
 from dlpipe.config import decisions  # noqa: E402
 from dlpipe.loader.probe import item_fetch_seconds  # noqa: E402
@@ -44,9 +45,7 @@ EPOCHS = 3  # what the automatic persistent_workers decision is told the run wil
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds of the whole grid (default 5)")
+    p = arguments(__doc__, 5, "measured rounds of the whole grid")
     p.add_argument("--repeats", type=int, default=3, help="the tuner's measurements per candidate (default 3)")
     p.add_argument("--batches", type=int, default=50,
                    help="batches per measurement, after warm-up (default 50, as dlpipe tune)")
@@ -55,12 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=160, help="stored JPEG side in pixels (default 160)")
     p.add_argument("--memory-size", type=int, default=32768, help="rows in the in-memory pipeline (default 32768)")
     p.add_argument("--pipelines", default="decode,in-memory", help="which pipelines to run (default both)")
-    p.add_argument("--out", type=Path, help="also write the markdown report to this file")
-    args = p.parse_args(argv)
-    for name in ("rounds", "repeats", "batches", "warmup", "decode_size", "image_size", "memory_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    return args
+    return checked(p, argv, counts=("repeats", "batches", "warmup", "decode_size", "image_size", "memory_size"))
 
 
 def pipelines(args):

@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from benchmarks.options import arguments, checked  # noqa: E402
 from dlpipe.models.cnn import SmallCNN  # noqa: E402
 from dlpipe.models.mlp import MLP  # noqa: E402
 from dlpipe.schema import TrainerConfig  # noqa: E402
@@ -49,19 +50,12 @@ GOAL = 0.97
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
+    p = arguments(__doc__, 5, "measured rounds after one warm-up")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps per run (default 1000)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per micro-batch (default 64)")
     p.add_argument("--models", default="mlp,cnn", help="which models (default mlp,cnn)")
     p.add_argument("--accumulate", default="1,4", help="accumulation settings (default 1,4)")
-    p.add_argument("--out", type=Path, help="also write the markdown table to this file")
-    args = p.parse_args(argv)
-    for name in ("rounds", "steps", "batch_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    return args
+    return checked(p, argv, counts=("steps", "batch_size"))
 
 
 def make_model(name: str) -> torch.nn.Module:

@@ -27,6 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
+if not __package__:  # run as `python benchmarks/startup.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.options import arguments, checked  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 MINIMAL_APP = '''
@@ -68,18 +73,12 @@ ONE_STEP = ["+recipe=tabular", "trainer.max_steps=1", "trainer.val_fraction=0", 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds after the warm-up (default 5)")
+    p = arguments(__doc__, 5, "measured rounds after the warm-up")
     p.add_argument("--warmup", type=int, default=1, choices=(0, 1),
                    help="a warm-up round first: page cache, the SQLite store's creation (default 1; 0: a smoke test)")
     p.add_argument("--no-recipe-run", action="store_true",
                    help="leave out the whole +recipe=smoke runs (the slowest pair; the suite's smoke test does)")
-    p.add_argument("--out", type=Path, help="also write the markdown table to this file")
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error(f"--rounds={args.rounds}: must be >= 1")
-    return args
+    return checked(p, argv)
 
 
 def cases(tmp: Path, recipe_run: bool = True) -> dict[str, list[str]]:

@@ -46,6 +46,7 @@ if not __package__:  # run as `python benchmarks/telemetry_overhead.py` from a c
 
 import torch  # noqa: E402
 
+from benchmarks.options import arguments, checked  # noqa: E402
 from dlpipe.models.mlp import MLP  # noqa: E402
 from dlpipe.schema import TrainerConfig  # noqa: E402
 from dlpipe.telemetry.sampler import ResourceSampler  # noqa: E402
@@ -57,10 +58,7 @@ GOAL = 0.98  # B/A: telemetry may cost under 2% of steps/s
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5,
-                   help="measured rounds of A and B, after one warm-up round (default 5)")
+    p = arguments(__doc__, 5, "measured rounds of A and B, after one warm-up round")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps per run, one epoch (default 2000)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per step (default 64)")
     p.add_argument("--in-features", type=int, default=32, help="MLP input width (default 32)")
@@ -68,16 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=1, help="trainer.log_every in both A and B (default 1: worst case)")
     p.add_argument("--interval", type=float, default=0.5, help="ResourceSampler interval in seconds (default 0.5)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
-    p.add_argument("--out", type=Path, help="also write the markdown table to this file")
-    args = p.parse_args(argv)
-    for name in ("rounds", "steps", "batch_size", "in_features", "hidden", "log_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads={args.threads}: must be >= 1")
-    if args.interval <= 0:
-        p.error(f"--interval={args.interval}: must be > 0")
-    return args
+    return checked(p, argv, counts=("steps", "batch_size", "in_features", "hidden", "log_every", "threads"),
+                   positive=("interval",))
 
 
 def make_batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
