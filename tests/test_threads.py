@@ -267,6 +267,28 @@ def test_auto_picks_threads_where_they_scale_and_processes_where_they_cannot():
                    "no such device in a worker (DataLoader worker process 0)): threads")
 
 
+class SharedCursor(Augments):
+    """Reads records through one cursor, as a dataset with one open file does (seek, then read): right
+    in the main process and in worker processes (each has its own copy), wrong with threads, which
+    move each other's cursor while one sleeps (the read releases the GIL)."""
+
+    def __getitem__(self, i):
+        self.cursor = i
+        time.sleep(0.002)
+        return self.x[self.cursor], i
+
+
+def test_auto_keeps_processes_for_a_dataset_threads_would_fetch_wrongly():
+    """Sleeping items scale with threads, but threads sharing the dataset's cursor fetch other
+    records than the main process: processes, and the reason says why."""
+    dataset = NamedErrors(Subset(SharedCursor(size=64), range(64)))
+    method, why = choose(dataset, LoaderConfig(batch_size=8, num_workers=2, persistent_workers=True), None,
+                         forbidden=None)
+    assert (method, why.split(":")[0]) == ("process", "2 threads fetched the probe's batches otherwise than the "
+                                                      "main process, which fetched them alike every time"), why
+    assert "not thread-safe" in why
+
+
 def test_one_worker_is_a_thread_only_where_two_threads_show_the_gil_released():
     """One thread fetches as fast as the main process whether or not the dataset holds the GIL, so the
     probe times two: sleeping items scale (a thread), GIL-bound ones do not (a process, which fetches

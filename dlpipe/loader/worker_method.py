@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from dlpipe.errors import user_message
 from dlpipe.loader import policy
-from dlpipe.loader.fetch import BatchGather
+from dlpipe.loader.fetch import BatchGather, same_batch
 from dlpipe.loader.threads import ThreadLoader
 from dlpipe.sample_rng import SampleBatch
 from dlpipe.schema import LoaderConfig
@@ -118,6 +118,10 @@ def choose(dataset: Dataset, loader: LoaderConfig, collate_fn: Callable | None,
                            "to make threads possible)")
     scaling = max(num_workers, 2)  # one thread fetches as fast as the main process, GIL or not: 2 tell
     probe = Probe(dataset, scaling, loader.batch_size, collate_fn)
+    if probe.threads_differ:
+        return "process", (f"{scaling} threads fetched the probe's batches otherwise than the main process, which "
+                           "fetched them alike every time: the dataset is not thread-safe (state such as an open "
+                           "file shared by the threads); each worker process has its own copy")
     speedup = probe.serial_s / probe.threads.total_s
     if speedup >= THREAD_SCALING_MIN * scaling:
         return "thread", (f"{scaling} threads fetched {speedup:.2f}x as fast as the main process alone (the "
@@ -202,16 +206,24 @@ class Probe:
         self.size = max(1, min(batch_size, n, int(PROBE_SERIAL_S / (count * item))))
         self.batches = [SampleBatch([(b * self.size + i) % n for i in range(self.size)], 0) for b in range(count)]
         self.rounds = PROBE_ROUNDS if count * self.size * item <= 4 * PROBE_SERIAL_S else 1  # a round of 1 s is steady
-        serial, threads = [], []
+        serial, threads, expected, repeatable, differed = [], [], None, True, False
         for _ in range(self.rounds):  # interleaved
             started = time.perf_counter()
-            for batch in self.batches:
-                self.gather[batch]
+            fetched = [self.gather[batch] for batch in self.batches]
             serial.append(time.perf_counter() - started)
+            if expected is None:
+                expected = fetched
+            repeatable = repeatable and _all_same(expected, fetched)
+            by_threads = []
             threads.append(_time(ThreadLoader(self.gather, self.batches, num_workers=num_workers, prefetch_factor=2,
-                                              pin_memory=False, timeout=0, generator=None)))
+                                              pin_memory=False, timeout=0, generator=None), keep=by_threads))
+            differed = differed or not _all_same(expected, by_threads)
         self.serial_s = min(serial)
         self.threads = min(threads, key=lambda t: t.total_s)
+        # Threads share the dataset object; processes each get a copy. Where the main process fetches
+        # the same batches alike every round but threads fetch them otherwise, the dataset keeps state
+        # the threads trample (one file handle: a seek of one thread, then a read of another's).
+        self.threads_differ = repeatable and differed
 
     def time_processes(self, context: str | None) -> Timed:
         """The same batches from `num_workers` worker processes (dlpipe's process loader, started
@@ -227,21 +239,26 @@ class Probe:
                     for _ in range(rounds)), key=lambda t: t.total_s)
 
 
-def _time(loader) -> Timed:
+def _time(loader, keep: list | None = None) -> Timed:
     """Seconds from starting the workers to the first and to the last batch, start-up included (torchdata
     sleeps 10 ms, then starts its threads: a tenth of a probe round, which only errs towards processes).
     Measured from the consumer's side only once it is over: a GIL-holding dataset starves the consumer,
     which would see batches arrive in a burst. Not to the end of the stream, which torchdata polls every
-    0.1 s (an epoch pays that once)."""
+    0.1 s (an epoch pays that once). `keep`: a list the batches are appended to."""
+    keep = [] if keep is None else keep
     started = time.perf_counter()
     batches = iter(loader)
-    next(batches)
+    keep.append(next(batches))
     first = time.perf_counter() - started
     for _ in range(len(loader) - 1):
-        next(batches)
+        keep.append(next(batches))
     total = time.perf_counter() - started
     del batches  # a process loader's workers stop here, before the next round forks again
     return Timed(first, total, len(loader), loader.num_workers)
+
+
+def _all_same(expected: list, fetched: list) -> bool:
+    return len(expected) == len(fetched) and all(same_batch(a, b) for a, b in zip(expected, fetched, strict=True))
 
 
 def _same(a, b) -> bool:
