@@ -118,13 +118,14 @@ def test_prefetch_follows_workers_fitted_to_the_data(monkeypatch):
 
 ASKED = ["+recipe=smoke", "dataset.size=64", "trainer.device=cpu", "tracking=none", "loader.num_workers=0",
          "loader.prefetch_factor=4", "loader.persistent_workers=true", "loader.timeout=5",
-         "loader.multiprocessing_context=spawn", "loader.pin_memory=true"]
+         "loader.multiprocessing_context=spawn", "loader.pin_memory=true", "loader.worker_method=thread"]
 EFFECTIVE = {"loader.pin_memory": "False", "loader.prefetch_factor": "null", "loader.persistent_workers": "False",
-             "loader.timeout": "0.0", "loader.multiprocessing_context": "null"}
+             "loader.timeout": "0.0", "loader.multiprocessing_context": "null", "loader.worker_method": "process"}
 REQUESTED = {"requested.loader.pin_memory": "True", "requested.loader.prefetch_factor": "4",
              "requested.loader.persistent_workers": "True", "requested.loader.timeout": "5.0",
-             "requested.loader.multiprocessing_context": "spawn"}
-NOTES = {"loader.prefetch_factor=4 ignored: it needs num_workers > 0",
+             "requested.loader.multiprocessing_context": "spawn", "requested.loader.worker_method": "thread"}
+NOTES = {"loader.worker_method=thread ignored: num_workers=0 (the main process fetches)",
+         "loader.prefetch_factor=4 ignored: it needs num_workers > 0",
          "loader.persistent_workers=true ignored: there are no workers to keep (num_workers=0)",
          "loader.multiprocessing_context=spawn ignored: num_workers=0",
          "loader.timeout=5.0 ignored: it bounds the wait for a worker's batch (num_workers=0)"}

@@ -33,7 +33,8 @@ class LoaderPlan:
     settings: dict = dataclasses.field(default_factory=dict)
     """The normalised settings (NORMALISED keys) the DataLoader got."""
     requested: dict = dataclasses.field(default_factory=dict)
-    """key -> the value asked for, for each of `settings` that normalise() changed."""
+    """key -> the value asked for, for each of `settings` that normalise() changed, and worker_method
+    where thread was asked with no workers (the main process fetches)."""
     fetch: str = "item"
     """How the DataLoader fetches: "item", or "batch" (one gather per batch: loader.fetch)."""
     worker_method: str = "process"
@@ -208,8 +209,13 @@ def build_loader(
                         "node is built by dlpipe.tasks.build.loader_settings)")
     asked = dict(zip(NORMALISED, (pin_memory, prefetch_factor, persistent_workers, timeout, multiprocessing_context),
                      strict=True))
+    asked_method = worker_method
     worker_method = "thread" if worker_method == "thread" and num_workers > 0 else "process"
     settings, requested, notes = normalise(num_workers, asked, cuda, worker_method)
+    if asked_method == "thread" and worker_method != "thread":
+        # recorded, so that a sweep over worker_method x num_workers says which jobs ran alike
+        requested["worker_method"] = asked_method
+        notes.append("loader.worker_method=thread ignored: num_workers=0 (the main process fetches)")
 
     # The generator fixes the per-worker base seed (EpochOrder fixes the order); each worker then seeds
     # torch, `random` and NumPy from base_seed + worker_id itself, so augmentations differ per

@@ -225,7 +225,8 @@ def loader_params(plan) -> dict[str, str]:
     prefetch_factor dropped at 0 workers, pin_memory off without CUDA), and `requested.loader.KEY`
     beside it where the config asked for another value. Logged after the config's params, so these
     win: jobs that asked differently but ran the same loader record the same values."""
-    return settings_params(plan.settings, plan.requested)
+    return settings_params({**plan.settings, "fetch": plan.fetch, "worker_method": plan.worker_method},
+                           plan.requested)
 
 
 def settings_params(settings: dict, requested: dict) -> dict[str, str]:
