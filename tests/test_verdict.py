@@ -107,6 +107,29 @@ def test_a_worker_count_measured_slower_is_never_advised():
     assert "loader.num_workers=2 is no answer here" in v.advice and "1075 samples/s" in v.advice
 
 
+def test_thread_workers_and_whole_batches_are_judged_by_their_own_measurements():
+    """A tune of thread workers measured prefetch 4 no faster than 2: a run with those threads is not
+    told to try it (the acceptance test's case: the journal was read as if processes ran); the same
+    rows say nothing of process workers, which still get the rule's suggestion. A run that already
+    gathers whole batches is not told to make its dataset gather."""
+    rows = tuple(Observation(effective({"num_workers": 2, "worker_method": "thread", "prefetch_factor": p}),
+                             rate, "dlpipe tune", "2026-12-05 14:00") for p, rate in ((2, 6411.7), (4, 6328.0)))
+    evidence = Evidence(journals={"loader": Journal(rows)})
+
+    def verdict(method):
+        return diagnose(epoch(0.6, cpu_util=40.0), num_workers=2, cpu_budget=2, pin_memory=False, device_type="cpu",
+                        prefetch_factor=2, worker_method=method, evidence=evidence)
+
+    threads = verdict("thread")
+    assert threads.change is None and "loader.prefetch_factor=4 is no answer here" in threads.advice, threads.line()
+    assert "6328 samples/s" in threads.advice
+    assert verdict("process").change == "loader.prefetch_factor=4"
+    cheap = dict(num_workers=0, cpu_budget=2, pin_memory=False, device_type="cpu")
+    assert "__getitems__" in diagnose(epoch(0.28, item_wait_s=5e-6), **cheap).advice
+    batched = diagnose(epoch(0.28, item_wait_s=5e-6), fetch="batch", **cheap).advice
+    assert "loader.batch_size" in batched and "__getitems__" not in batched
+
+
 def test_a_worker_count_measured_faster_is_advised_with_the_measured_gain():
     evidence = Evidence(journals=journal((0, 1000.0), (2, 1500.0)))
     v = judge(epoch(0.6), workers=0, budget=2, evidence=evidence)

@@ -119,12 +119,15 @@ class TrainJob:
         return self.trainer.fit(self.loader, self.val_plan.loader if self.val_plan else None)
 
     def judge(self, metrics: dict[str, float], warm: bool):
+        from dlpipe.loader.fetch import fetch_mode
+        from dlpipe.loader.threads import worker_method_of
         from dlpipe.telemetry.verdict import diagnose
 
         loader = self.loader
         return diagnose(metrics, num_workers=loader.num_workers, cpu_budget=self.cpu_budget,
                         pin_memory=bool(loader.pin_memory), device_type=self.trainer.device.type,
                         prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+                        fetch=fetch_mode(loader), worker_method=worker_method_of(loader),
                         evidence=self.evidence, warm=warm)
 
     def after_epoch(self, row: dict[str, float]) -> None:

@@ -69,10 +69,15 @@ class LoaderState:
     pin_memory: bool = False
     prefetch_factor: int | None = None
     persistent_workers: bool = False
+    fetch: str = "item"
+    worker_method: str = "process"
 
     def settings(self) -> dict:
+        """As the journal files them: a measurement of thread workers or whole-batch fetching is looked
+        up as such, not as the process/item one."""
         return effective({"num_workers": self.num_workers, "prefetch_factor": self.prefetch_factor,
-                          "persistent_workers": self.persistent_workers, "pin_memory": self.pin_memory})
+                          "persistent_workers": self.persistent_workers, "pin_memory": self.pin_memory,
+                          "fetch": self.fetch, "worker_method": self.worker_method})
 
 
 def more_workers(num_workers: int, cpu_budget: int) -> int:
@@ -83,12 +88,13 @@ def more_workers(num_workers: int, cpu_budget: int) -> int:
 
 def diagnose(metrics: dict[str, float], *, num_workers: int, cpu_budget: int, pin_memory: bool,
              device_type: str, prefetch_factor: int | None = None, persistent_workers: bool = False,
-             evidence: Evidence | None = None, warm: bool = True) -> Verdict:
+             fetch: str = "item", worker_method: str = "process", evidence: Evidence | None = None,
+             warm: bool = True) -> Verdict:
     """The bottleneck of one epoch (or of a run, given epoch means), with advice that no measurement
     in `evidence` (the probe, the measurement journal) contradicts. `warm`: the metrics leave out the
     first epoch's start-up, so they compare with earlier runs' (loader.journal files such runs)."""
-    job = Judged(metrics, LoaderState(num_workers, cpu_budget, pin_memory, prefetch_factor, persistent_workers),
-                 evidence or Evidence(), warm)
+    job = Judged(metrics, LoaderState(num_workers, cpu_budget, pin_memory, prefetch_factor, persistent_workers,
+                                      fetch, worker_method), evidence or Evidence(), warm)
     wait, h2d = metrics.get("data_wait_frac", 0.0), metrics.get("h2d_frac", 0.0)
     if wait >= INPUT_BOUND:
         return _input_bound(job)
@@ -162,17 +168,20 @@ def _input_bound(job: Judged) -> Verdict:
 
 FREE_DATA = "if the wait for data went away (this epoch's data wait)"
 
-CHEAP_ITEMS_ADVICE = ("fetch fewer, larger pieces: raise loader.batch_size (each batch's fixed costs spread over "
-                      "more items; scale optim.lr with it), let the dataset take a list of indices (or a __getitems__ "
-                      "returning the batch) so loader.fetch gathers whole batches, or move per-item work out of "
-                      "__getitem__ (into the model, on the device)")
+def cheap_items_advice(fetch: str) -> str:
+    """What helps when items are cheap; letting the dataset gather only where it does not already."""
+    gather = ("" if fetch == "batch" else "let the dataset take a list of indices (or a __getitems__ returning the "
+              "batch) so loader.fetch gathers whole batches, ")
+    return ("fetch fewer, larger pieces: raise loader.batch_size (each batch's fixed costs spread over more items; "
+            f"scale optim.lr with it), {gather}or move per-item work out of __getitem__ (into the model, on the "
+            "device)")
 
 
 def _cheap_items(job: Judged, seen: str, per_item: PerItem | None, cost: float) -> Verdict:
     """Items in memory: workers cannot help (with workers, the main process fetches them faster)."""
     wait = job.metrics.get("data_wait_frac", 0.0)
     cheap = Verdict("input-bound", f"{seen}, under the {policy.CHEAP_ITEM_S * 1e6:.0f} us where workers start to "
-                     "pay: more workers cannot help", CHEAP_ITEMS_ADVICE, wait_bound(wait), FREE_DATA)
+                     "pay: more workers cannot help", cheap_items_advice(job.loader.fetch), wait_bound(wait), FREE_DATA)
     gain = fewer_workers_gain(per_item, cost, wait)
     if job.loader.num_workers == 0 or gain < 1 + MIN_GAIN:
         return cheap
