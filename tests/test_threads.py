@@ -330,6 +330,20 @@ def test_the_automatic_decision_leaves_every_global_stream_as_it_was():
         assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
 
 
+def test_validation_workers_draw_the_same_global_randomness_every_pass():
+    """A dataset drawing from the global RNG in worker processes: each validation pass starts its
+    workers from the same base seed, so every epoch (and a resumed run's, whose validation generator
+    starts afresh) scores the same batches; training's workers draw anew each epoch."""
+    def two_passes(role):
+        plan = plan_of(GlobalNoise(), num_workers=2, role=role, shuffle=False)
+        return [[batch[0] for batch in plan.loader] for _ in range(2)]
+
+    first, second = two_passes("val")
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    first, second = two_passes("train")
+    assert not all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
 def test_the_rng_probe_leaves_every_global_stream_as_it_was():
     torch.manual_seed(1)
     random.seed(1)

@@ -239,7 +239,12 @@ def build_loader(
     else:
         workers = {"num_workers": num_workers, **settings, "generator": generator,
                    "worker_init_fn": worker_init_fn() if num_workers > 0 else None}
-        loader = SignalSafeLoader(gather, batch_size=None, sampler=batches, **workers)
+        # Validation's workers start from the same base seed every pass, as its batches carry one
+        # stream: a dataset drawing from the global RNGs in them draws the same each epoch, so a
+        # resumed run (whose validation generator starts afresh) validates as the straight run did.
+        # Training's generator is checkpointed instead.
+        loader = SignalSafeLoader(gather, batch_size=None, sampler=batches, reseed=None if training else seed + rank,
+                                  **workers)
     batch = batch_bytes(dataset, batch_size, collate_fn)
     inflight = policy.inflight_bytes(num_workers, settings["prefetch_factor"], batch)
     return LoaderPlan(loader, [f"{role}: {n}" for n in notes], batch, inflight, settings, requested,

@@ -133,11 +133,16 @@ class SignalSafeLoader(DataLoader):
             iterator._shutdown_workers()
         self._iterator = None
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, reseed: int | None = None, **kwargs):
+        """`reseed`: a seed the generator is reset to before every pass, so that each pass starts its
+        workers from the same base seed (validation: see dlpipe.loader.build)."""
+        self.reseed = reseed
         with _worker_count_warning_silenced():
             super().__init__(*args, **kwargs)
 
     def _get_iterator(self):
+        if self.reseed is not None and self.generator is not None:
+            self.generator.manual_seed(self.reseed)
         if self.num_workers:
             from dlpipe.loader.threads import let_threads_end
 
