@@ -344,6 +344,24 @@ def test_validation_workers_draw_the_same_global_randomness_every_pass():
     assert not all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+def test_a_dataset_spawn_cannot_send_to_workers_is_one_line(recwarn):
+    """spawn pickles the dataset for its workers: a lambda attribute fails in Process.start, which
+    PyTorch re-raises after a warning of its own; the run gets one DataError line naming the setting,
+    the pickle error and what to do, and no warning."""
+    from dlpipe.errors import DataError
+
+    dataset = Augments(size=16)
+    dataset.transform = lambda x: x
+    plan = plan_of(dataset, num_workers=1, multiprocessing_context="spawn", prefetch_factor=2)
+    with pytest.raises(DataError) as caught:
+        iter(plan.loader)
+    line = str(caught.value)
+    assert line.startswith("loader.multiprocessing_context=spawn: the dataset (or collate_fn) cannot be sent to "
+                           "worker processes (AttributeError: Can't pickle local object") and "\n" not in line
+    assert "loader.multiprocessing_context=fork, loader.worker_method=thread" in line
+    assert not [w for w in recwarn if "pickle" in str(w.message)]
+
+
 def test_the_rng_probe_leaves_every_global_stream_as_it_was():
     torch.manual_seed(1)
     random.seed(1)

@@ -140,6 +140,26 @@ class SignalSafeLoader(DataLoader):
         with _worker_count_warning_silenced():
             super().__init__(*args, **kwargs)
 
+    def _start_workers(self) -> "_EndsWorkersOnError":
+        """The workers' iterator; a dataset that spawn or forkserver cannot send to them is one line
+        (PyTorch re-raises the pickle error of Process.start, after a warning meant for itself)."""
+        from pickle import PicklingError
+
+        from dlpipe.errors import DataError
+
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Got pickle error when attempting to start a worker")
+                return _EndsWorkersOnError(self)
+        except (TypeError, AttributeError, PicklingError) as e:
+            if "pickle" not in str(e).lower() and not isinstance(e, PicklingError):
+                raise
+            method = getattr(self.multiprocessing_context, "get_start_method", lambda: "spawn")()
+            raise DataError(f"loader.multiprocessing_context={method}: the dataset (or collate_fn) cannot be sent to "
+                            f"worker processes ({type(e).__name__}: {str(e).splitlines()[0]}): {method} pickles "
+                            "it, so it may hold no lambda, open file or lock; use loader.multiprocessing_context=fork, "
+                            "loader.worker_method=thread, or make it picklable") from e
+
     def _get_iterator(self):
         if self.reseed is not None and self.generator is not None:
             self.generator.manual_seed(self.reseed)
@@ -152,7 +172,7 @@ class SignalSafeLoader(DataLoader):
                 iterator = super()._get_iterator()
             else:
                 self.check_worker_number_rationality()
-                iterator = _EndsWorkersOnError(self)
+                iterator = self._start_workers()
         if self.num_workers and threading.current_thread() is threading.main_thread():
             # PyTorch's SIGCHLD handler raises "worker exited unexpectedly" wherever the main
             # thread is, mid optimizer step included; while a stop is under way, let next() say it.
