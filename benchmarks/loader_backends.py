@@ -14,7 +14,7 @@ Four pipelines, each wrapped in NamedErrors as training wraps its split:
 
 Per pipeline:
 1. auto: the settings loader=auto gives here (`recommended_workers` of the CPU budget, then
-   `dlpipe.tasks.build.fit_loader_to_data` with fetch=auto and worker_method=auto, as a job runs it);
+   `dlpipe.tasks.loaders.fit_loader_to_data` with fetch=auto and worker_method=auto, as a job runs it);
 2. tune: `dlpipe.loader.search.Search` from auto, its evaluate() as `dlpipe tune`'s (memory guard,
    `measure_candidate` with bench.repeats measurements and a resource sampler), no MLflow; its wall time;
 3. the grid: fetch (batch only where `find_gather` finds a gather) x num_workers 0 and `--workers` x
@@ -61,7 +61,7 @@ from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, me
 from dlpipe.loader.threads import fetch_cpu_seconds  # noqa: E402
 from dlpipe.sample_rng import sample_generator  # noqa: E402
 from dlpipe.schema import BenchConfig, LoaderConfig  # noqa: E402
-from dlpipe.tasks.build import fit_loader_to_data  # noqa: E402
+from dlpipe.tasks.loaders import fit_loader_to_data  # noqa: E402
 from dlpipe.tasks.tune import automatic_persistence, dataset_options  # noqa: E402
 from dlpipe.telemetry.sampler import ResourceSampler  # noqa: E402
 

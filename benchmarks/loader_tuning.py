@@ -71,7 +71,7 @@ def pipelines(args):
 
 def automatic(dataset, batch: int) -> Candidate:
     """What loader=auto resolves to here: the resolvers' decisions, then the workers fitted to the
-    data (`dlpipe.tasks.build.fit_loader_to_data`: none when items are cheap to fetch in-process)."""
+    data (`dlpipe.tasks.loaders.fit_loader_to_data`: none when items are cheap to fetch in-process)."""
     workers = decisions.workers_for_data(decisions.workers().value, item_fetch_seconds(dataset, batch)).value
     return Candidate(workers, decisions.prefetch(workers).value,
                      decisions.persistent(workers, EPOCHS, len(dataset), batch).value, decisions.cuda_available().value)

@@ -13,7 +13,8 @@ from dlpipe.config.resolvers import RESOLVERS, register_resolvers
 from dlpipe.config.store import find_recipes, register_recipes, register_schemas
 from dlpipe.config.validation import validate
 from dlpipe.errors import ConfigError
-from dlpipe.tasks.build import build_data_and_model, build_loaders, build_scheduler
+from dlpipe.tasks.build import build_data_and_model, build_scheduler
+from dlpipe.tasks.loaders import build_loaders
 
 # Small sizes so building every option stays fast; values only, nothing structural.
 SMALL = {

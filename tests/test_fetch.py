@@ -99,6 +99,21 @@ def test_datasets_that_cannot_gather_stay_item_by_item(dataset, why):
             loader_of(dataset, "batch")
 
 
+def test_the_reason_names_the_datasets_own_refusal_not_dlpipes_wrapper():
+    """Training wraps the dataset (NamedErrors), whose SampleError says nothing of why a list index
+    failed: the reason quotes the dataset's own error."""
+    from dlpipe.loader.faults import NamedErrors
+
+    class OneAtATime(TensorDataset):
+        def __getitem__(self, i):
+            if isinstance(i, list):
+                raise TypeError("one index at a time")
+            return super().__getitem__(i)
+
+    how, reason = find_gather(NamedErrors(OneAtATime(torch.randn(10, 2))))
+    assert (how, reason) == (None, "a list index: TypeError: one index at a time")
+
+
 def test_a_custom_collate_is_what_the_gather_must_equal():
     """Fixed-length tokens padded by PadSequences gain a lengths field the plain gather lacks: item by item."""
     tokens = TokenSequenceDataset(size=16, seq_len=6, vocab_size=10)

@@ -17,8 +17,8 @@ from dlpipe.config.resolvers import register_resolvers
 from dlpipe.config.sources import Origin
 from dlpipe.config.store import register_recipes, register_schemas
 from dlpipe.schema import LoaderConfig
-from dlpipe.tasks.build import fit_loader_to_data
 from dlpipe.tasks.common import JobContext
+from dlpipe.tasks.loaders import fit_loader_to_data
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -151,8 +151,8 @@ def measured_job(ctx, raw, resolved):
 
 def tune_trial(ctx, raw, resolved):
     """The params of tune's first trial, the job's own loader: what its DataLoader got."""
-    from dlpipe.tasks.build import loader_settings
     from dlpipe.tasks.common import prepare_measurement
+    from dlpipe.tasks.loaders import loader_settings
     from dlpipe.tasks.tune import start_candidate, trial_params
 
     job = prepare_measurement(ctx, raw, {**resolved, "task": "tune"})
@@ -203,6 +203,7 @@ def test_a_resume_of_an_unchanged_config_reports_no_change(tmp_path, mlflow_stor
     """The effective values replace the config's under the same keys; a resume compares those keys, so
     the same request on the same machine (pinning asked for on the CPU) is no change."""
     from dlpipe.tasks.common import preflight
+    from dlpipe.tasks.train import resume_comparisons
     from dlpipe.tasks.train_job import build_job
     from dlpipe.tracking.run import MlflowRun
     from dlpipe.training.distributed import SINGLE
@@ -215,10 +216,10 @@ def test_a_resume_of_an_unchanged_config_reports_no_change(tmp_path, mlflow_stor
         jobs.append(build_job(ctx, raw, cfg, decided, SINGLE))
         jobs[-1].close()
     with MlflowRun(mlflow_store, "unchanged-resume", "r", {}) as first:
-        first.log_params(jobs[0].params, compared=jobs[0].config_flat)
+        first.log_params(jobs[0].params, compared=resume_comparisons(jobs[0].config_flat))
     with MlflowRun(mlflow_store, "unchanged-resume", "r", {}, resume_run_id=first.run_id) as again:
         assert again.resumed
-        again.log_params(jobs[1].params, compared=jobs[1].config_flat)
+        again.log_params(jobs[1].params, compared=resume_comparisons(jobs[1].config_flat))
     stored = mlflow_client.get_run(first.run_id).data
-    assert "dlpipe.resumed_changed_params" not in stored.tags
+    assert "dlpipe.resumed_changed_params" not in stored.tags and "dlpipe.resumed_loader_changes" not in stored.tags
     assert stored.params["loader.pin_memory"] == "False" and stored.params["requested.loader.pin_memory"] == "True"

@@ -362,6 +362,23 @@ def test_a_dataset_spawn_cannot_send_to_workers_is_one_line(recwarn):
     assert not [w for w in recwarn if "pickle" in str(w.message)]
 
 
+def test_threads_asked_for_a_global_rng_dataset_are_warned_about(caplog):
+    """loader.worker_method=thread set by hand stands, but a dataset drawing from the global RNG is
+    said to be unreproducible with it (auto would keep processes); one that draws its own is not."""
+    import logging
+
+    from dlpipe.tasks.loaders import fit_loader_to_data
+
+    raw = {"num_workers": 2, "prefetch_factor": 2, "persistent_workers": False}
+    asked = LoaderConfig(batch_size=8, num_workers=2, worker_method="thread", fetch="item")
+    caplog.set_level(logging.WARNING, logger="dlpipe")
+    for dataset in (Augments(), GlobalNoise()):
+        fitted, _ = fit_loader_to_data(raw, asked, 2, NamedErrors(Subset(dataset, range(len(dataset)))))
+        assert fitted.worker_method == "thread"
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("loader.worker_method=thread: the dataset draws from the global random RNG")
+
+
 def test_the_rng_probe_leaves_every_global_stream_as_it_was():
     torch.manual_seed(1)
     random.seed(1)

@@ -377,7 +377,7 @@ def test_reopened_run_logs_no_step_twice_and_forgets_its_end_reason(mlflow_store
     (metric, step), clears the previous attempt's end reason, and compares only the given keys."""
     with pytest.raises(KeyboardInterrupt):
         with MlflowRun(mlflow_store, "reopened", "r", {}) as first:
-            first.log_params({"optim.lr": "0.1", "mem.available_gb": "3.0"})
+            first.log_params({"optim.lr": "0.1", "loader.num_workers": "2", "mem.available_gb": "3.0"})
             for step in (1, 2, 3):
                 first.log_metrics({"loss": float(step), "acc": 0.5}, step=step)
             raise KeyboardInterrupt
@@ -386,12 +386,15 @@ def test_reopened_run_logs_no_step_twice_and_forgets_its_end_reason(mlflow_store
     with MlflowRun(mlflow_store, "reopened", "r", {}, resume_run_id=run_id) as again:
         assert again.resumed
         assert "dlpipe.end_reason" not in mlflow_client.get_run(run_id).data.tags
-        again.log_params({"optim.lr": "0.2", "mem.available_gb": "5.0"}, compared={"optim.lr"})
+        again.log_params({"optim.lr": "0.2", "loader.num_workers": "1", "mem.available_gb": "5.0"},
+                         compared={"dlpipe.resumed_changed_params": ["optim.lr"],
+                                   "dlpipe.resumed_loader_changes": ["loader.num_workers"]})
         for step in (2, 3, 4):  # resumed from the checkpoint of step 1
             again.log_metrics({"loss": 10.0 * step, "acc": 0.9}, step=step)
     stored = mlflow_client.get_run(run_id)
     assert stored.info.status == "FINISHED" and "dlpipe.end_reason" not in stored.data.tags
     assert stored.data.tags["dlpipe.resumed_changed_params"] == "optim.lr"
+    assert stored.data.tags["dlpipe.resumed_loader_changes"] == "loader.num_workers"
     loss = sorted((m.step, m.value) for m in mlflow_client.get_metric_history(run_id, "loss"))
     assert loss == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
     assert sorted(m.step for m in mlflow_client.get_metric_history(run_id, "acc")) == [1, 2, 3, 4]

@@ -129,7 +129,7 @@ def find_gather(dataset: Dataset, collate_fn: Callable | None = None) -> tuple[s
             try:
                 batch = gather(dataset, indices)
             except Exception as e:  # noqa: BLE001 - any dataset may refuse a list: that is the answer
-                reasons.append(f"{how}: {type(e).__name__}")
+                reasons.append(f"{how}: {_refusal(e)}")
                 continue
             if expected is None:
                 expected = collate([dataset[i] for i in indices])
@@ -139,6 +139,14 @@ def find_gather(dataset: Dataset, collate_fn: Callable | None = None) -> tuple[s
         return None, "; ".join(reasons)
     finally:
         rng.restore(state)
+
+
+def _refusal(error: Exception) -> str:
+    """The dataset's own error for a list index, not dlpipe's SampleError around it: `TypeError: one
+    index at a time`, cut to a line of 100 characters."""
+    cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
+    text = str(cause).splitlines()[0][:100] if str(cause) else ""
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
 
 
 def same_batch(a, b) -> bool:

@@ -20,9 +20,10 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
 
     job = prepare_measurement(ctx, raw, resolved)
     cfg, bench, loader = job.cfg, job.cfg.bench, job.plan.loader
-    log.info("bench: %d batches of %d after %d warm-up, num_workers=%d prefetch_factor=%s persistent_workers=%s "
-             "pin_memory=%s (%s mode)", bench.batches, cfg.loader.batch_size, bench.warmup_batches,
-             loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory, bench.mode)
+    log.info("bench: %d batches of %d after %d warm-up, num_workers=%d worker_method=%s fetch=%s prefetch_factor=%s "
+             "persistent_workers=%s pin_memory=%s (%s mode)", bench.batches, cfg.loader.batch_size,
+             bench.warmup_batches, loader.num_workers, job.plan.worker_method, job.plan.fetch, loader.prefetch_factor,
+             loader.persistent_workers, loader.pin_memory, bench.mode)
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
     params = config_params(cfg, job.plan, job.decided, "loader", "bench", "dataset")
     params.update(hardware.host_facts(cpu=job.budget))

@@ -1,4 +1,5 @@
-"""Objects from a validated config: dataset splits, model, optimizer and DataLoaders.
+"""Objects from a validated config: dataset splits, model, optimizer, objective, metrics, callbacks and
+schedule (the DataLoaders are tasks.loaders').
 
 Everything here runs before a tracking run exists, so every user mistake it finds (a class that
 does not build, a device this machine lacks, a batch size that leaves no batch) is a ConfigError
@@ -6,14 +7,12 @@ naming the key, and nothing is left half-made.
 """
 
 import copy
-from dataclasses import replace
 
 from dlpipe.errors import ConfigError, DlpipeError
-from dlpipe.loader import policy
-from dlpipe.schema import DlpipeConfig, LoaderConfig
+from dlpipe.schema import DlpipeConfig
 
 
-def _instantiate(group: str, node: dict, **extra):
+def instantiate_group(group: str, node: dict, **extra):
     from hydra.utils import instantiate
 
     try:
@@ -60,7 +59,7 @@ def build_datasets(cfg: DlpipeConfig):
     from dlpipe.loader.split import train_val_split
 
     check_device(cfg.trainer.device)
-    dataset = _instantiate("dataset", cfg.dataset)
+    dataset = instantiate_group("dataset", cfg.dataset)
     check_dataset(cfg.dataset["_target_"], dataset)
     train_set, val_set = train_val_split(dataset, cfg.trainer.val_fraction, cfg.trainer.seed)
     if val_set is not None:
@@ -88,9 +87,9 @@ def build_model(cfg: DlpipeConfig, dataset):
             raise ConfigError([f"model.num_classes=null: {type(dataset).__name__} has no num_classes; "
                                "set model.num_classes"])
         model_cfg["num_classes"] = int(dataset.num_classes)
-    model = _instantiate("model", model_cfg)
+    model = instantiate_group("model", model_cfg)
     # The model's parameters are the optimizer's first argument, `params`, passed here.
-    optimizer = _instantiate("optim", cfg.optim, params=model.parameters())
+    optimizer = instantiate_group("optim", cfg.optim, params=model.parameters())
     return model, optimizer
 
 
@@ -99,107 +98,6 @@ def build_data_and_model(cfg: DlpipeConfig):
     train_set, val_set, dataset = build_datasets(cfg)
     model, optimizer = build_model(cfg, dataset)
     return train_set, val_set, model, optimizer
-
-
-def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, train_set,
-                       world: int = 1, model=None) -> tuple[LoaderConfig, dict[str, str]]:
-    """The automatic loader values, decided again on the built training split: the workers go when
-    items are cheap to fetch in this process (data in memory), and persistence is decided on the
-    real batches per epoch, and loader.fetch=auto becomes batch where the dataset gathers a batch equal
-    to its per-item collate (loader.fetch). Values the user set stand (the lint and `dlpipe tune` can question
-    them). `model`: the model, when it is already built (its memory is not the workers'). Returns the
-    loader settings and the reason for each value decided here."""
-    from dlpipe.config.decisions import prefetch, workers_for_data
-    from dlpipe.loader.probe import item_fetch_seconds
-
-    reasons = {}
-    collate = build_collate(loader)  # the decisions below replace other fields, never collate_fn
-    if policy.is_auto(raw_loader["num_workers"], "auto_workers") and loader.num_workers and len(train_set):
-        seconds = item_fetch_seconds(train_set, loader.batch_size, collate_fn=collate)
-        decision = workers_for_data(loader.num_workers, seconds)
-        if decision.value != loader.num_workers:
-            loader = replace(loader, num_workers=decision.value)
-            reasons["loader.num_workers"] = f"{decision.value} (auto: {decision.reason})"
-            if policy.is_auto(raw_loader["prefetch_factor"], "auto_prefetch"):  # follows the worker count
-                follows = prefetch(decision.value)
-                loader = replace(loader, prefetch_factor=follows.value)
-                reasons["loader.prefetch_factor"] = f"{follows.value} (auto: {follows.reason})"
-    if policy.is_auto(raw_loader["persistent_workers"], "auto_persistent"):
-        # Always: the resolver may not have known the dataset's size, and then its reason lacks the batches.
-        batches = policy.batches_per_epoch(len(train_set), loader.batch_size, world, loader.drop_last)
-        keep, why = policy.persist_workers(loader.num_workers, epochs, batches)
-        loader = replace(loader, persistent_workers=keep)
-        reasons["loader.persistent_workers"] = f"{keep} (auto: {why})"
-    if loader.fetch == "auto" and len(train_set):
-        from dlpipe.loader.fetch import find_gather
-
-        how, why = find_gather(train_set, collate)
-        loader = replace(loader, fetch="batch" if how else "item")
-        reasons["loader.fetch"] = f"{loader.fetch} (auto: {why if how else 'item by item: ' + why})"
-    if loader.worker_method == "auto":
-        from dlpipe.loader import worker_method
-
-        loader = worker_method.fit(loader, raw_loader, train_set, collate, reasons,
-                                   model_bytes=cpu_bytes(model) if model is not None else 0)
-    return loader, reasons
-
-
-def cpu_bytes(model) -> int:
-    """Bytes of a model's parameters and buffers in CPU memory."""
-    import itertools
-
-    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers())
-               if t.device.type == "cpu")
-
-
-def build_collate(loader: LoaderConfig):
-    """The callable loader.collate_fn builds (e.g. dlpipe.loader.collate.PadSequences), or None for
-    PyTorch's default_collate."""
-    node = loader.collate_fn
-    if node is None:
-        return None
-    if not isinstance(node, dict) or "_target_" not in node:
-        raise ConfigError([f"loader.collate_fn={node!r}: must be a node with a _target_ (e.g. "
-                           "{_target_: dlpipe.loader.collate.PadSequences}) or null"])
-    collate = _instantiate("loader.collate_fn", node)
-    if not callable(collate):
-        raise ConfigError([f"loader.collate_fn._target_={node['_target_']}: built a {type(collate).__name__}, "
-                           "which is not callable; a collate function takes a list of items and returns a batch"])
-    return collate
-
-
-def loader_settings(loader: LoaderConfig) -> dict:
-    """build_loader's keyword arguments from the loader config, loader.collate_fn built: what train,
-    bench and tune (each candidate) build their loaders with."""
-    from dlpipe.loader.build import dataloader_settings
-
-    return {**dataloader_settings(loader), "collate_fn": build_collate(loader)}
-
-
-def build_loaders(cfg: DlpipeConfig, train_set, val_set, rank: int = 0, world: int = 1):
-    """Training and validation loaders (the validation one None without a split); with world > 1,
-    each loads this rank's share and loader.batch_size is per rank."""
-    from dlpipe.loader.build import build_loader
-
-    lc = loader_settings(cfg.loader)
-    cuda = cfg.trainer.device.startswith("cuda")
-    seed = cfg.trainer.seed
-    train = build_loader(train_set, **lc, seed=seed, cuda=cuda, role="train", rank=rank, world=world)
-    if len(train.loader) == 0:
-        order = getattr(train.loader.sampler, "sampler", train.loader.sampler)  # under the batches, when fetched so
-        raise ConfigError([
-            f"loader.batch_size={lc['batch_size']} with loader.drop_last={str(lc['drop_last']).lower()}: the training "
-            f"split has {len(order)} samples{' per rank' if world > 1 else ''}, so there is no batch "
-            "to train on; lower batch_size or set drop_last=false"
-        ])
-    val = None
-    if val_set is not None:
-        # Validation never shuffles or drops samples: every run scores the same items. Its workers
-        # live only while it runs: persistent ones would sit idle, holding memory, through training.
-        lc.update(batch_size=cfg.loader.val_batch_size or lc["batch_size"], shuffle=False, drop_last=False,
-                  persistent_workers=False)
-        val = build_loader(val_set, **lc, seed=seed, cuda=cuda, role="val", rank=rank, world=world)
-    return train, val
 
 
 def build_objective_and_metrics(cfg: DlpipeConfig, model, train_set, collate_fn):
@@ -222,7 +120,7 @@ def build_objective(cfg: DlpipeConfig):
     """The loss (conf/loss/: any nn.Module or callable) and the batch layout it is fed from."""
     from dlpipe.training.objective import Objective
 
-    return Objective(_instantiate("loss", cfg.loss), cfg.batch.input, cfg.batch.target)
+    return Objective(instantiate_group("loss", cfg.loss), cfg.batch.input, cfg.batch.target)
 
 
 def check_objective(cfg: DlpipeConfig, objective, model, train_set, collate_fn=None):
@@ -256,7 +154,7 @@ def build_metrics(cfg: DlpipeConfig, objective, prediction) -> dict:
     from dlpipe.training.losses import IGNORE_INDEX
 
     if cfg.metrics is not None:
-        return {name: _instantiate(f"metrics.{name}", node) for name, node in cfg.metrics.items()}
+        return {name: instantiate_group(f"metrics.{name}", node) for name, node in cfg.metrics.items()}
     if objective.kind == kinds.CLASSIFICATION:
         classes = int(prediction.shape[objective.class_dim if prediction.dim() > 2 else -1])
         return {"accuracy": torchmetrics.classification.MulticlassAccuracy(
@@ -297,7 +195,7 @@ def build_callbacks(cfg: DlpipeConfig, metrics: dict, validates: bool):
     early stopping after them."""
     from dlpipe.training.callbacks import Callbacks, EarlyStopping
 
-    callbacks = {name: _instantiate(f"callbacks.{name}", node) for name, node in (cfg.callbacks or {}).items()}
+    callbacks = {name: instantiate_group(f"callbacks.{name}", node) for name, node in (cfg.callbacks or {}).items()}
     stop = cfg.trainer.early_stopping
     if stop.monitor is not None:
         if stop.monitor.startswith("val_") and not validates:
@@ -346,4 +244,4 @@ def build_scheduler(cfg: DlpipeConfig, optimizer, steps_per_epoch: int | None):
         logging.getLogger("dlpipe").warning(
             "scheduler.warmup_steps=%s: the schedule spans only %d %s in this run (interval=%s), so the lr never "
             "reaches optim.lr; warm up over fewer", warmup, span, unit, interval)
-    return Schedule(_instantiate("scheduler", node, optimizer=optimizer, **extra), interval, monitor)
+    return Schedule(instantiate_group("scheduler", node, optimizer=optimizer, **extra), interval, monitor)

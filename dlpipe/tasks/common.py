@@ -96,7 +96,8 @@ class Measurement:
 def prepare_measurement(ctx: JobContext, raw: dict, resolved: dict) -> Measurement:
     """The checks and objects bench and tune share."""
     from dlpipe.loader.threads import fetch_cpu_seconds
-    from dlpipe.tasks.build import build_datasets, build_loaders, build_model
+    from dlpipe.tasks.build import build_datasets, build_model
+    from dlpipe.tasks.loaders import build_loaders
     from dlpipe.telemetry.sampler import ResourceSampler
     from dlpipe.training.rng import seed_everything
 
@@ -162,9 +163,9 @@ def check_tracking_reachable(tracking: TrackingConfig) -> None:
 
 def fit_loader(raw: dict, cfg: DlpipeConfig, train_set, decided: dict[str, str], world: int = 1,
                model=None) -> None:
-    """The automatic loader values fitted to the built training split (tasks.build.fit_loader_to_data;
+    """The automatic loader values fitted to the built training split (tasks.loaders.fit_loader_to_data;
     `model` where already built): cfg.loader updated, each new reason logged and recorded."""
-    from dlpipe.tasks.build import fit_loader_to_data
+    from dlpipe.tasks.loaders import fit_loader_to_data
 
     cfg.loader, reasons = fit_loader_to_data(raw["loader"], cfg.loader, cfg.trainer.epochs, train_set, world, model)
     for key, why in reasons.items():
@@ -227,6 +228,18 @@ def loader_params(plan) -> dict[str, str]:
     win: jobs that asked differently but ran the same loader record the same values."""
     return settings_params({**plan.settings, "fetch": plan.fetch, "worker_method": plan.worker_method},
                            plan.requested)
+
+
+def job_params(cfg: DlpipeConfig, ranks, train_plan, model) -> dict[str, str]:
+    """Params measured from what was built (the training loader's effective settings, loader memory,
+    model size, the data-parallel layout)."""
+    params = {**loader_params(train_plan), "loader.batch_bytes_est": str(train_plan.batch_bytes),
+              "loader.inflight_bytes_est": str(train_plan.inflight_bytes),
+              "model.parameters": str(sum(p.numel() for p in model.parameters()))}
+    if ranks.distributed:
+        params.update({"dist.world_size": str(ranks.world), "dist.local_world_size": str(ranks.local_world),
+                       "dist.global_batch": str(cfg.trainer.accumulate * cfg.loader.batch_size * ranks.world)})
+    return params
 
 
 def settings_params(settings: dict, requested: dict) -> dict[str, str]:

@@ -21,7 +21,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
 
     from dlpipe.loader.faults import NamedErrors
     from dlpipe.loader.fetch import item_collate
-    from dlpipe.tasks.build import build_data_and_model, build_loaders, build_objective_and_metrics, validation_view
+    from dlpipe.tasks.build import build_data_and_model, build_objective_and_metrics, validation_view
+    from dlpipe.tasks.loaders import build_loaders
     from dlpipe.training.evaluate import evaluate
     from dlpipe.training.net import autocast_for
     from dlpipe.training.resume import init_weights

@@ -22,7 +22,8 @@ DEVICE_KEYS = ("trainer.device", "trainer.amp")
 def run(ctx: JobContext, raw: dict, resolved: dict) -> None:
     """Print the plan of the job these overrides make."""
     from dlpipe.loader.lint import lint_job
-    from dlpipe.tasks.build import build_datasets, build_loaders, fit_loader_to_data
+    from dlpipe.tasks.build import build_datasets
+    from dlpipe.tasks.loaders import build_loaders, fit_loader_to_data
     from dlpipe.training.distributed import ranks_from_env
     from dlpipe.training.rng import seed_everything
 

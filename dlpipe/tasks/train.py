@@ -90,6 +90,19 @@ def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str]
             sidecar.close()  # a job refused while it was built leaves no run (the process opened none)
 
 
+def resume_comparisons(config_keys, samples_follow_loader: bool = False) -> dict[str, list[str]]:
+    """What a reopened run tags as changed since its first attempt (MlflowRun.log_params): the config
+    keys that change what it computes apart from the loader's speed settings, which change nothing
+    unless the dataset's samples follow the loader (TrainJob.resume); never host facts."""
+    from dlpipe.training.resume import LOADER_SPEED_KEYS, expected_to_change
+
+    computed = [k for k in config_keys if not expected_to_change(k)]
+    speed = [k for k in config_keys if k in LOADER_SPEED_KEYS]
+    if samples_follow_loader:
+        return {"dlpipe.resumed_changed_params": computed + speed}
+    return {"dlpipe.resumed_changed_params": computed, "dlpipe.resumed_loader_changes": speed}
+
+
 def train_tracked(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks,
                   tracking: TrackingConfig, given: str | None, sidecar) -> float | None:
     """Build the job, resume it, fit it inside its tracking run (`tracking`: this rank's settings,
@@ -105,7 +118,7 @@ def train_tracked(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[s
         job.run_id = run.run_id
         if tracking.system_metrics:
             run.watch_system()
-        run.log_params(job.params, compared=job.config_flat)  # a resume compares config, not host facts
+        run.log_params(job.params, compared=resume_comparisons(job.config_flat, job.samples_follow_loader))
         run.log_text(job.resolved_yaml, "config/resolved.yaml")
         run.log_inputs(job.dataset_input)
         try:

@@ -22,7 +22,7 @@ from dlpipe.tasks.common import (
     fit_loader,
     flatten,
     gpu_for,
-    loader_params,
+    job_params,
     recorded_config,
     run_tags,
     warn_about_loaders,
@@ -68,6 +68,8 @@ class TrainJob:
     dataset_input: dict
     """The dataset as the run's input (tracking.dataset_input.describe)."""
     run_id: str | None = None
+    samples_follow_loader: bool = False
+    """Resumed with other loader settings on a dataset that draws from the global RNGs while fetching."""
     _closed: list | None = field(default=None, repr=False)
 
     @property
@@ -77,6 +79,7 @@ class TrainJob:
     def resume(self) -> str | None:
         """Load the checkpoint `checkpoint.resume` points to, if any, and return its MLflow run id;
         else start from checkpoint.init_from's weights, if given (fine-tuning)."""
+        from dlpipe.loader.worker_method import global_draws
         from dlpipe.training.resume import check_model_fits, config_changes, init_weights
 
         start, path = resume_point(self.store, self.cfg.checkpoint.resume, self.ranks)
@@ -85,9 +88,15 @@ class TrainJob:
                 self.tags["dlpipe.init_from"] = str(init_weights(self.trainer.model, self.cfg.checkpoint.init_from))
             return None
         check_model_fits(self.trainer.model, start["model"], path)
-        changed = config_changes(start.get("config", {}), self.config_flat)
+        changed, speed = config_changes(start.get("config", {}), self.config_flat)
+        # The loader's BatchGather holds the dataset as training fetches it; drawing from the global RNGs,
+        # its samples depend on who fetches them.
+        if speed and global_draws(self.loader.dataset.dataset):
+            self.samples_follow_loader, changed, speed = True, sorted(changed + speed), []
         if changed:
             log.warning("resuming with a changed config: %s", ", ".join(changed))
+        if speed:
+            log.info("resuming with other loader settings (the batches stay the same): %s", ", ".join(speed))
         own = start.get("ranks") or []
         if self.ranks.distributed and len(own) == self.ranks.world:
             start.update(own[self.ranks.rank])  # this rank's RNG and loader-generator states
@@ -155,6 +164,7 @@ class TrainJob:
 
         from dlpipe.loader.faults import explain_loader_failure
         from dlpipe.training import distributed
+        from dlpipe.training.accumulation import out_of_memory_advice
         from dlpipe.training.net import compile_failure
 
         try:
@@ -165,7 +175,7 @@ class TrainJob:
                 raise KeyboardInterrupt from None
             raise Terminated(self.trainer.stop.signal or stop.reason) from None
         except torch.cuda.OutOfMemoryError as e:
-            raise DlpipeError(out_of_memory_advice(self.cfg, e)) from e
+            raise DlpipeError(out_of_memory_advice(self.cfg.loader.batch_size, self.cfg.trainer.accumulate, e)) from e
         except RuntimeError as e:
             if self.ranks.distributed and distributed.lost_peer(e):
                 raise DlpipeError(f"another rank left the job mid-step ({first_line(e)[:200]}); its own error, "
@@ -249,13 +259,13 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     from dlpipe.tasks.build import (
         build_callbacks,
         build_data_and_model,
-        build_loaders,
         build_objective_and_metrics,
         build_scheduler,
         metric_direction,
         monitor_mode,
     )
     from dlpipe.tasks.evidence import gather, measurement_file
+    from dlpipe.tasks.loaders import build_loaders
     from dlpipe.training.accumulation import epoch_batches, optimizer_steps
     from dlpipe.training.checkpoint import CheckpointStore
     from dlpipe.training.rng import seed_everything
@@ -293,6 +303,7 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     store = CheckpointStore(checkpoint_folder(cfg, ctx), ck.keep_last, ck.monitor, mode)
     params = {**config_flat, **hardware.host_facts(cpu=budget), **{f"auto.{k}": v for k, v in decided.items()},
               **job_params(cfg, ranks, train_plan, model)}
+    config_flat = {k: params[k] for k in config_flat}  # as it runs: the loader's effective settings
     sizes = {"train": len(train_set), **({"validation": len(val_set)} if val_set is not None else {})}
     return TrainJob(ctx, cfg, ranks, train_plan, val_plan, trainer, store, sampler, profiler, allocations,
                     params, run_tags(ctx), resolved_yaml, config_flat, budget.budget, evidence, journal,
@@ -325,29 +336,3 @@ def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, c
     trainer = Trainer(model, optimizer, settings, sampler=sampler, profiler=profiler if profiler.enabled else None,
                       peers=peers, cuda_sync_every=telemetry.cuda_sync_every, **extras)
     return trainer, sampler, profiler, allocations
-
-
-def job_params(cfg: DlpipeConfig, ranks, train_plan, model) -> dict[str, str]:
-    """Params measured from what was built (the training loader's effective settings, loader memory,
-    model size, the data-parallel layout)."""
-    params = {**loader_params(train_plan), "loader.batch_bytes_est": str(train_plan.batch_bytes),
-              "loader.inflight_bytes_est": str(train_plan.inflight_bytes),
-              "model.parameters": str(sum(p.numel() for p in model.parameters()))}
-    if ranks.distributed:
-        params.update({"dist.world_size": str(ranks.world), "dist.local_world_size": str(ranks.local_world),
-                       "dist.global_batch": str(cfg.trainer.accumulate * cfg.loader.batch_size * ranks.world)})
-    return params
-
-
-def out_of_memory_advice(cfg: DlpipeConfig, error: BaseException) -> str:
-    """One line for a CUDA OOM: halve the micro-batch and double accumulation, same effective batch."""
-    batch, accumulate = cfg.loader.batch_size, cfg.trainer.accumulate
-    first = str(error).splitlines()[0] if str(error) else "CUDA out of memory"
-    if batch <= 1:
-        return f"{first}: loader.batch_size is already 1; use a smaller model or trainer.amp=bf16"
-    return (
-        f"{first}: with loader.batch_size={batch} trainer.accumulate={accumulate}, try "
-        f"loader.batch_size={batch // 2} trainer.accumulate={accumulate * 2} to keep the effective batch "
-        f"of {(batch // 2) * accumulate * 2} samples per optimizer step"
-        + ("" if batch % 2 == 0 else f" (was {batch * accumulate})")
-    )

@@ -72,7 +72,7 @@ def dataset_options(cfg: DlpipeConfig, train_set) -> dict[str, bool]:
     its per-item collate, threads unless it draws from the global RNGs (loader.worker_method)."""
     from dlpipe.loader import worker_method
     from dlpipe.loader.fetch import find_gather
-    from dlpipe.tasks.build import build_collate
+    from dlpipe.tasks.loaders import build_collate
 
     if not len(train_set):
         return {"gathers": False, "tune_threads": False}
@@ -93,8 +93,8 @@ def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_
     """evaluate(candidate) -> Trial for the search: the memory guard, the measurement, a log line
     and a child MLflow run per measured candidate."""
     from dlpipe.loader.measure import describe
-    from dlpipe.tasks.build import loader_settings
     from dlpipe.tasks.evidence import bench_mode, measurement_file
+    from dlpipe.tasks.loaders import loader_settings
     from dlpipe.tracking.run import MlflowRun
 
     bench, tracking = cfg.bench, cfg.tracking

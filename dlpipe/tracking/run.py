@@ -169,19 +169,19 @@ class MlflowRun:
         run = self.client.get_run(self.run_id)
         return {m.key: m.step for m in run.data._metric_objs}  # no public accessor for the steps
 
-    def log_params(self, params: dict[str, object], compared=None) -> None:
-        """Log params; on a reopened run, only new ones (MLflow params cannot change) and tag the
-        keys whose values differ from what the run recorded first, among `compared` (the config's
-        keys: host facts such as free memory differ on every start and say nothing), default all."""
+    def log_params(self, params: dict[str, object], compared: dict[str, list[str]] | None = None) -> None:
+        """Log params; on a reopened run, only new ones (MLflow params cannot change), and for each tag of
+        `compared` (tag -> keys; default: every key under dlpipe.resumed_changed_params) tag those of its
+        keys whose values differ from the run's first (host facts such as free memory say nothing)."""
         from mlflow.entities import Param
 
         values = {k: _clip(v) for k, v in params.items()}
         if self.resumed:
             logged = self.client.get_run(self.run_id).data.params
-            compared = set(values if compared is None else compared)
-            changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v and k in compared)
-            if changed:
-                self.set_tags({"dlpipe.resumed_changed_params": ", ".join(changed)})
+            changed = {tag: sorted(k for k in keys if k in logged and k in values and logged[k] != values[k])
+                       for tag, keys in (compared or {"dlpipe.resumed_changed_params": list(values)}).items()}
+            if any(changed.values()):
+                self.set_tags({tag: ", ".join(keys) for tag, keys in changed.items() if keys})
             values = {k: v for k, v in values.items() if k not in logged}
         items = [Param(k, v) for k, v in sorted(values.items())]
         for i in range(0, len(items), MAX_PARAMS_PER_BATCH):

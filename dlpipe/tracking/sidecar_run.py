@@ -88,8 +88,8 @@ class SidecarRun:
         return self
 
     # What the job writes: sent, not waited for.
-    def log_params(self, params: dict[str, object], compared=None) -> None:
-        self._send("log_params", (params, None if compared is None else list(compared)))
+    def log_params(self, params: dict[str, object], compared: dict[str, list[str]] | None = None) -> None:
+        self._send("log_params", (params, compared))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self._send("set_tags", (tags,))

@@ -1,5 +1,6 @@
 """Gradient accumulation: the micro-batches of one optimizer step (a window), and the scaling that
-makes their summed gradients the mean over the window's samples, however many it got."""
+makes their summed gradients the mean over the window's samples, however many it got, and the trade of
+micro-batch for accumulation offered when a step runs out of memory."""
 
 import math
 
@@ -56,3 +57,16 @@ class Window:
     def clear(self) -> None:
         """The optimizer stepped: the next micro-batch starts a new window."""
         self.micro = self.samples = 0
+
+
+def out_of_memory_advice(batch: int, accumulate: int, error: BaseException) -> str:
+    """One line for a CUDA OOM: halve the micro-batch and double accumulation, same effective batch."""
+    first = str(error).splitlines()[0] if str(error) else "CUDA out of memory"
+    if batch <= 1:
+        return f"{first}: loader.batch_size is already 1; use a smaller model or trainer.amp=bf16"
+    return (
+        f"{first}: with loader.batch_size={batch} trainer.accumulate={accumulate}, try "
+        f"loader.batch_size={batch // 2} trainer.accumulate={accumulate * 2} to keep the effective batch "
+        f"of {(batch // 2) * accumulate * 2} samples per optimizer step"
+        + ("" if batch % 2 == 0 else f" (was {batch * accumulate})")
+    )

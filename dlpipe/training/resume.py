@@ -48,16 +48,27 @@ def check_model_fits(model, saved: dict, path: Path) -> None:
         raise ConfigError(problems)
 
 
-# Keys that legitimately differ between a run and its resumption.
+# Keys that legitimately differ between a run and its resumption: where checkpoints go, how long to
+# train, and the loader settings that decide only how fast batches come (which samples a batch holds
+# and their random draws depend on seed, epoch and sample index alone), so `dlpipe tune` or loader=auto
+# deciding differently on a busier machine changes nothing the run computes.
 _EXPECTED_TO_CHANGE = ("checkpoint.", "trainer.epochs", "trainer.max_steps")
+LOADER_SPEED_KEYS = frozenset(
+    f"loader.{k}" for k in ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "timeout",
+                            "multiprocessing_context", "fetch", "worker_method", "tuned_on")
+)
 
 
-def config_changes(saved: dict[str, str], current: dict[str, str]) -> list[str]:
-    """Flattened config keys whose values differ from the checkpoint's, apart from expected ones."""
-    keys = set(saved) | set(current)
-    return sorted(
-        k for k in keys if saved.get(k) != current.get(k) and not k.startswith(_EXPECTED_TO_CHANGE)
-    )
+def expected_to_change(key: str) -> bool:
+    return key.startswith(_EXPECTED_TO_CHANGE) or key in LOADER_SPEED_KEYS
+
+
+def config_changes(saved: dict[str, str], current: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Flattened config keys whose values differ from the checkpoint's: (those that change what the
+    run computes, the loader's speed settings)."""
+    differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    return ([k for k in differ if not expected_to_change(k)],
+            [k for k in differ if k in LOADER_SPEED_KEYS])
 
 
 def init_weights(model, source: str) -> Path:
