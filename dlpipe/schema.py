@@ -11,6 +11,8 @@ Ranges and cross-field rules live in `config/validation.py` because OmegaConf do
 `__post_init__` on merges.
 """
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,3 +277,35 @@ class DlpipeConfig:
     """train, bench, tune, eval or plan (`dlpipe bench ...`, `dlpipe tune ...`, `dlpipe eval ...` and
     `dlpipe plan ...` set it)."""
 
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "loader.fetch": ("auto", "item", "batch"),
+    "loader.worker_method": ("auto", "process", "thread"),
+    "loader.multiprocessing_context": ("fork", "spawn", "forkserver"),
+    "trainer.amp": ("off", "bf16", "fp16"),
+    "trainer.on_nonfinite": ("stop", "skip_step", "warn"),
+    "trainer.early_stopping.mode": ("auto", "min", "max"),
+    "checkpoint.resume": ("auto", "must", "never"),
+    "checkpoint.mode": ("auto", "min", "max"),
+    "bench.mode": ("loader", "train"),
+    "tracking.log_model": ("none", "best", "last"),
+}
+"""The typed keys that take one of a few words (checked in config/validation.py)."""
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def allowed(key: str) -> str | None:
+    """What a typed key ("trainer.early_stopping.mode") accepts, in words: its choices, or its kind ("an
+    integer"), "or null" where it may be None; None for a key no dataclass here types."""
+    kind: Any = DlpipeConfig
+    for part in key.split("."):
+        hints = typing.get_type_hints(kind) if dataclasses.is_dataclass(kind) else {}
+        if part not in hints:
+            return None
+        kind = hints[part]
+    kinds = [k for k in typing.get_args(kind) if k is not type(None)] or [kind]
+    words = ", ".join(CHOICES[key]) if key in CHOICES else _KINDS.get(kinds[0])
+    if words is None:
+        return None
+    return words + (" or null" if type(None) in typing.get_args(kind) else "")

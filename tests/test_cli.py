@@ -147,7 +147,14 @@ BAD_INPUT = [
     (["+trainer.epochs=3"], "+trainer.epochs=3: trainer.epochs already exists; drop the +"),
     (["dataset.sizee=9"], "dataset.sizee=9: no key 'sizee' in dataset; did you mean dataset.size?"),
     (["+dataset.colour=red"], "dataset.colour: not a parameter of dlpipe.data.vision.SyntheticJPEGDataset"),
-    (["loader.batch_size=abc"], "loader.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["loader.batch_size=abc"],
+     "loader.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer; allowed: an integer"),
+    (["loader.prefetch_factor=two"], "loader.prefetch_factor=two: Value 'two' of type 'str' could not be converted "
+                                     "to Integer; allowed: an integer or null"),
+    (["loader.worker_method=null"],
+     "loader.worker_method=null: field 'loader.worker_method' is not Optional; allowed: auto, process, thread"),
+    (["trainer.deterministic=maybe"], "trainer.deterministic=maybe: Value 'maybe' is not a valid bool (type str); "
+                                      "allowed: true or false"),
     (["loader=fast"], "loader=fast: no such loader option; available: auto, in_memory, padded, pytorch"),
     (["loader.fetch=batches"], "loader.fetch=batches: allowed: auto, item, batch"),
     (["trainer.devices=0"], "trainer.devices=0: must be >= 1 (processes on this node, one per GPU)"),

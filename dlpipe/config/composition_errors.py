@@ -9,6 +9,8 @@ import difflib
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from dlpipe.schema import allowed
+
 
 def _override_for(key: str, overrides: list[str]) -> str:
     """The command-line override that set `key` (the key itself if none did, e.g. in a recipe)."""
@@ -54,9 +56,10 @@ def one_line(exc: BaseException, overrides: list[str]) -> str | None:
     cause = exc.__cause__
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         return _unknown_key(cause, overrides)
-    if isinstance(cause, ValidationError):
+    if isinstance(cause, ValidationError):  # a wrong type or null for a typed key: say what it takes
         key = cause.full_key or str(cause.key)
-        return f"{_override_for(key, overrides)}: {str(cause).splitlines()[0]}"
+        takes = f"; allowed: {allowed(key)}" if allowed(key) else ""
+        return f"{_override_for(key, overrides)}: {str(cause).splitlines()[0]}{takes}"
     lines = str(exc).splitlines()
     if lines and lines[0].startswith("Could not append to config. An item is already at"):
         key = lines[0].rsplit("'", 2)[-2]

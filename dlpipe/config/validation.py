@@ -14,6 +14,7 @@ from dlpipe.config.tracking_checks import check_tracking
 from dlpipe.errors import ConfigError
 from dlpipe.loader import policy
 from dlpipe.schema import (
+    CHOICES,
     SCHEDULER_DEFAULT_INTERVAL,
     SCHEDULER_INTERVALS,
     BatchConfig,
@@ -24,10 +25,14 @@ from dlpipe.schema import (
     TelemetryConfig,
     TrackingConfig,
     TrainerConfig,
+    allowed,
 )
 
-_CONTEXTS = ("fork", "spawn", "forkserver")
-_AMP = ("off", "bf16", "fp16")
+
+def _not_allowed(key: str, value) -> list[str]:
+    """A word key (schema.CHOICES) holding another word; None passes (the schema refuses it where the
+    key is not Optional)."""
+    return [] if value is None or value in CHOICES[key] else [f"{key}={value}: allowed: {allowed(key)}"]
 
 
 def _check_loader(c: LoaderConfig) -> list[str]:
@@ -44,13 +49,8 @@ def _check_loader(c: LoaderConfig) -> list[str]:
         p.append(f"loader.prefetch_factor={c.prefetch_factor}: must be >= 1 or null")
     if c.timeout < 0:
         p.append(f"loader.timeout={c.timeout}: must be >= 0 (0 waits forever)")
-    if c.fetch not in ("auto", "item", "batch"):
-        p.append(f"loader.fetch={c.fetch}: allowed: auto, item, batch")
-    if c.worker_method not in ("auto", "process", "thread"):
-        p.append(f"loader.worker_method={c.worker_method}: allowed: auto, process, thread")
-    if c.multiprocessing_context is not None and c.multiprocessing_context not in _CONTEXTS:
-        p.append(f"loader.multiprocessing_context={c.multiprocessing_context}: allowed: {', '.join(_CONTEXTS)} or null")
-    return p
+    p += _not_allowed("loader.fetch", c.fetch) + _not_allowed("loader.worker_method", c.worker_method)
+    return p + _not_allowed("loader.multiprocessing_context", c.multiprocessing_context)
 
 
 def _check_trainer(c: TrainerConfig) -> list[str]:
@@ -69,10 +69,7 @@ def _check_trainer(c: TrainerConfig) -> list[str]:
         p.append(f"trainer.accumulate={c.accumulate}: must be >= 1 (micro-batches per optimizer step)")
     if not math.isfinite(c.grad_clip) or c.grad_clip < 0:  # nan < 0 is False: nan would disable clipping
         p.append(f"trainer.grad_clip={c.grad_clip}: must be a finite number >= 0 (0 disables clipping)")
-    if c.amp not in _AMP:
-        p.append(f"trainer.amp={c.amp}: allowed: {', '.join(_AMP)}")
-    if c.on_nonfinite not in ("stop", "skip_step", "warn"):
-        p.append(f"trainer.on_nonfinite={c.on_nonfinite}: allowed: stop, skip_step, warn")
+    p += _not_allowed("trainer.amp", c.amp) + _not_allowed("trainer.on_nonfinite", c.on_nonfinite)
     if c.empty_cache_every < 0:
         p.append(f"trainer.empty_cache_every={c.empty_cache_every}: must be >= 0 (0 never)")
     if not 0.0 <= c.val_fraction < 1.0:
@@ -82,8 +79,7 @@ def _check_trainer(c: TrainerConfig) -> list[str]:
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", c.device):
         p.append(f"trainer.device={c.device}: allowed: cpu, cuda, cuda:N, mps")
     stop = c.early_stopping
-    if stop.mode not in ("auto", "min", "max"):
-        p.append(f"trainer.early_stopping.mode={stop.mode}: allowed: auto, min, max")
+    p += _not_allowed("trainer.early_stopping.mode", stop.mode)
     if stop.patience < 1:
         p.append(f"trainer.early_stopping.patience={stop.patience}: must be >= 1 (epochs without improvement)")
     if stop.min_delta < 0:
@@ -108,12 +104,9 @@ def _check_telemetry(c: TelemetryConfig) -> list[str]:
 
 def _check_checkpoint(c: CheckpointConfig) -> list[str]:
     p = []
-    if c.resume not in ("auto", "must", "never"):
-        p.append(f"checkpoint.resume={c.resume}: allowed: auto, must, never")
+    p += _not_allowed("checkpoint.resume", c.resume) + _not_allowed("checkpoint.mode", c.mode)
     if c.keep_last < 1:
         p.append(f"checkpoint.keep_last={c.keep_last}: must be >= 1")
-    if c.mode not in ("auto", "min", "max"):
-        p.append(f"checkpoint.mode={c.mode}: allowed: auto, min, max")
     if c.resume == "must" and not c.enabled:
         p.append("checkpoint.resume=must with checkpoint.enabled=false: resuming needs checkpoints")
     if c.init_from is not None and not os.path.exists(c.init_from):
@@ -128,7 +121,6 @@ def _check_metrics(metrics) -> list[str]:
 
 
 _TASKS = ("train", "bench", "tune", "eval", "plan")
-_BENCH_MODES = ("loader", "train")
 
 
 def _check_bench(c: BenchConfig) -> list[str]:
@@ -137,8 +129,7 @@ def _check_bench(c: BenchConfig) -> list[str]:
         p.append(f"bench.warmup_batches={c.warmup_batches}: must be >= 1 (the first batch is always warm-up)")
     if c.batches < 1:
         p.append(f"bench.batches={c.batches}: must be >= 1")
-    if c.mode not in _BENCH_MODES:
-        p.append(f"bench.mode={c.mode}: allowed: {', '.join(_BENCH_MODES)}")
+    p += _not_allowed("bench.mode", c.mode)
     if c.repeats < 1:
         p.append(f"bench.repeats={c.repeats}: must be >= 1")
     if c.min_gain < 0:
@@ -246,8 +237,8 @@ def _check_worker_bound(loader: LoaderConfig, cpu_budget: int) -> list[str]:
 
 
 def _check_log_model(tracking: TrackingConfig, checkpoint: CheckpointConfig) -> list[str]:
-    if tracking.log_model not in ("none", "best", "last"):
-        return [f"tracking.log_model={tracking.log_model}: allowed: none, best, last"]
+    if tracking.log_model not in CHOICES["tracking.log_model"]:
+        return _not_allowed("tracking.log_model", tracking.log_model)
     if tracking.log_model != "none" and not checkpoint.enabled:
         return [f"tracking.log_model={tracking.log_model}: logs a checkpoint, and checkpoint.enabled=false writes "
                 "none; enable checkpoints or set tracking.log_model=none"]
