@@ -223,12 +223,28 @@ def test_other_loader_settings_change_the_samples_of_a_dataset_drawing_from_glob
     r = dlpipe(*args, "trainer.epochs=2", "loader.num_workers=1")
     assert r.returncode == 0, r.stderr
     out = r.stdout + r.stderr
-    # with a worker, PyTorch's prefetch_factor 2 applies: the effective settings are compared
-    changed = "loader.num_workers, loader.prefetch_factor"
-    assert f"resuming with a changed config: {changed}" in out and "other loader settings" not in out
+    # With a worker, PyTorch's prefetch_factor 2 applies (the effective settings are compared); how
+    # far ahead workers fetch does not say which worker fetches a sample.
+    assert "resuming with a changed config: loader.num_workers\n" in out
+    assert "resuming with other loader settings (the batches stay the same): loader.prefetch_factor\n" in out
     [run] = runs_of(mlflow_client, "global-rng")
-    assert run.data.tags["dlpipe.resumed_changed_params"] == changed
-    assert "dlpipe.resumed_loader_changes" not in run.data.tags
+    assert run.data.tags["dlpipe.resumed_changed_params"] == "loader.num_workers"
+    assert run.data.tags["dlpipe.resumed_loader_changes"] == "loader.prefetch_factor"
+
+
+def test_a_resume_tells_changes_to_the_results_from_changes_to_the_loaders_speed():
+    """Where checkpoints go and how long to train say nothing; loader speed settings are apart, unless
+    the dataset draws from the global RNGs and the setting decides which worker fetches a sample."""
+    from dlpipe.training.resume import config_changes
+
+    saved = {"optim.lr": "0.1", "loader.num_workers": "2", "loader.prefetch_factor": "2", "loader.batch_size": "32",
+             "checkpoint.keep_last": "3", "trainer.epochs": "2"}
+    now = {**saved, "optim.lr": "0.2", "loader.num_workers": "0", "loader.prefetch_factor": "None",
+           "checkpoint.keep_last": "5", "trainer.epochs": "4"}
+    assert config_changes(saved, now) == (["optim.lr"], ["loader.num_workers", "loader.prefetch_factor"])
+    assert config_changes(saved, now, samples_follow_loader=True) == (["loader.num_workers", "optim.lr"],
+                                                                      ["loader.prefetch_factor"])
+    assert config_changes(saved, {**saved, "loader.batch_size": "64"}) == (["loader.batch_size"], [])
 
 
 def test_the_resume_hint_is_the_jobs_own_command_in_its_folder(tmp_path):

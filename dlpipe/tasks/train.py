@@ -92,15 +92,13 @@ def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str]
 
 def resume_comparisons(config_keys, samples_follow_loader: bool = False) -> dict[str, list[str]]:
     """What a reopened run tags as changed since its first attempt (MlflowRun.log_params): the config
-    keys that change what it computes apart from the loader's speed settings, which change nothing
-    unless the dataset's samples follow the loader (TrainJob.resume); never host facts."""
-    from dlpipe.training.resume import LOADER_SPEED_KEYS, expected_to_change
+    keys that change what it computes (training.resume.changes_results) apart from the loader settings
+    that change only its speed; never host facts."""
+    from dlpipe.training.resume import LOADER_SPEED_KEYS, changes_results
 
-    computed = [k for k in config_keys if not expected_to_change(k)]
-    speed = [k for k in config_keys if k in LOADER_SPEED_KEYS]
-    if samples_follow_loader:
-        return {"dlpipe.resumed_changed_params": computed + speed}
-    return {"dlpipe.resumed_changed_params": computed, "dlpipe.resumed_loader_changes": speed}
+    computed = [k for k in config_keys if changes_results(k, samples_follow_loader)]
+    return {"dlpipe.resumed_changed_params": computed,
+            "dlpipe.resumed_loader_changes": [k for k in config_keys if k in LOADER_SPEED_KEYS and k not in computed]}
 
 
 def train_tracked(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks,

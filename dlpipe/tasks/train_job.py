@@ -69,7 +69,7 @@ class TrainJob:
     """The dataset as the run's input (tracking.dataset_input.describe)."""
     run_id: str | None = None
     samples_follow_loader: bool = False
-    """Resumed with other loader settings on a dataset that draws from the global RNGs while fetching."""
+    """A resumed job's dataset draws from the global RNGs while fetching: who fetches changes its samples."""
     _closed: list | None = field(default=None, repr=False)
 
     @property
@@ -88,11 +88,9 @@ class TrainJob:
                 self.tags["dlpipe.init_from"] = str(init_weights(self.trainer.model, self.cfg.checkpoint.init_from))
             return None
         check_model_fits(self.trainer.model, start["model"], path)
-        changed, speed = config_changes(start.get("config", {}), self.config_flat)
-        # The loader's BatchGather holds the dataset as training fetches it; drawing from the global RNGs,
-        # its samples depend on who fetches them.
-        if speed and global_draws(self.loader.dataset.dataset):
-            self.samples_follow_loader, changed, speed = True, sorted(changed + speed), []
+        # The loader's BatchGather holds the dataset as training fetches it (a few items are fetched).
+        self.samples_follow_loader = global_draws(self.loader.dataset.dataset) is not None
+        changed, speed = config_changes(start.get("config", {}), self.config_flat, self.samples_follow_loader)
         if changed:
             log.warning("resuming with a changed config: %s", ", ".join(changed))
         if speed:

@@ -178,8 +178,9 @@ class MlflowRun:
         values = {k: _clip(v) for k, v in params.items()}
         if self.resumed:
             logged = self.client.get_run(self.run_id).data.params
+            compared = {"dlpipe.resumed_changed_params": list(values)} if compared is None else compared
             changed = {tag: sorted(k for k in keys if k in logged and k in values and logged[k] != values[k])
-                       for tag, keys in (compared or {"dlpipe.resumed_changed_params": list(values)}).items()}
+                       for tag, keys in compared.items()}
             if any(changed.values()):
                 self.set_tags({tag: ", ".join(keys) for tag, keys in changed.items() if keys})
             values = {k: v for k, v in values.items() if k not in logged}

@@ -57,18 +57,27 @@ LOADER_SPEED_KEYS = frozenset(
     f"loader.{k}" for k in ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "timeout",
                             "multiprocessing_context", "fetch", "worker_method", "tuned_on")
 )
+# Those that decide which worker fetches a sample: they do change the draws of a dataset that takes
+# them from the global RNGs (each worker's are seeded apart).
+_WHO_FETCHES = frozenset(f"loader.{k}" for k in ("num_workers", "persistent_workers", "multiprocessing_context",
+                                                  "fetch", "worker_method"))
 
 
-def expected_to_change(key: str) -> bool:
-    return key.startswith(_EXPECTED_TO_CHANGE) or key in LOADER_SPEED_KEYS
+def changes_results(key: str, samples_follow_loader: bool = False) -> bool:
+    """Whether another value of `key` changes what a resumed run computes; `samples_follow_loader`: the
+    dataset draws from the global RNGs while fetching (dlpipe.loader.worker_method.global_draws)."""
+    if key.startswith(_EXPECTED_TO_CHANGE):
+        return False
+    return key not in LOADER_SPEED_KEYS or (samples_follow_loader and key in _WHO_FETCHES)
 
 
-def config_changes(saved: dict[str, str], current: dict[str, str]) -> tuple[list[str], list[str]]:
+def config_changes(saved: dict[str, str], current: dict[str, str],
+                   samples_follow_loader: bool = False) -> tuple[list[str], list[str]]:
     """Flattened config keys whose values differ from the checkpoint's: (those that change what the
-    run computes, the loader's speed settings)."""
+    run computes, the loader settings that change only its speed)."""
     differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-    return ([k for k in differ if not expected_to_change(k)],
-            [k for k in differ if k in LOADER_SPEED_KEYS])
+    changed = [k for k in differ if changes_results(k, samples_follow_loader)]
+    return changed, [k for k in differ if k in LOADER_SPEED_KEYS and k not in changed]
 
 
 def init_weights(model, source: str) -> Path:
