@@ -347,7 +347,9 @@ def test_cli_store_full_mid_run_trains_on_and_sync_delivers(dlpipe, tmpfs, tmp_p
     assert "epoch 2/2" in r.stderr and "Traceback" not in r.stderr
     box = Outbox.load(tmp_path / "job" / OUTBOX_FILE)
     epochs = {row[1] for e in box.entries if "metrics" in e for row in e["metrics"] if row[0] == "epoch"}
-    assert epochs == {2.0} and box.entries[-1] == {"end": "FINISHED"}
+    # The tracking process writes epoch 1 when it gets to it: before the callback fills the disk, or
+    # after (then it is kept too). Epoch 2 came after the disk was full, and nothing else is kept.
+    assert 2.0 in epochs and epochs <= {1.0, 2.0} and box.entries[-1] == {"end": "FINISHED"}
     (folder / FILLER).unlink()
     synced = dlpipe("sync", "job")
     assert synced.returncode == 0, synced.stderr
