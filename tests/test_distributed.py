@@ -1,5 +1,6 @@
 """Data-parallel training: real torchrun, 2 gloo ranks on the CPU, against single-process training."""
 
+import gc
 import json
 import os
 import signal
@@ -218,6 +219,11 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
         assert trainer.step == 3
         assert len(reductions) == 3  # not 10
     finally:
+        # DDP's reducer holds the group too: freed after destroy_process_group, it destroys the group
+        # itself while holding the GIL and joins gloo's threads, one of which may be waiting for the
+        # GIL to drop its last work's tensors (a hang, once in CI). Freed first, as tasks.train does.
+        trainer = None
+        gc.collect()
         dist.destroy_process_group()
 
 
