@@ -73,11 +73,13 @@ def shoot(server: str, experiment_id: str, parent: str, children: list[str], out
         for name, fragment in pages.items():
             page.goto(f"{server}/{fragment}", wait_until="load")
             time.sleep(4)  # the UI fetches the runs after the page loads (it keeps polling: never idle)
-            assistant = page.get_by_text("MLflow Assistant")
-            if assistant.count():  # MLflow 3's assistant panel opens beside every page: close it
-                page.locator("button:right-of(:text('MLflow Assistant'))").last.click()
+            # MLflow 3's assistant panel opens beside every page: close it (by its component id,
+            # which MLflow keeps stable for its own UI tests; the panel's other buttons sit beside it)
+            close = page.locator("button[data-component-id='mlflow.assistant.chat_panel.close']")
+            if close.count():
+                close.click()
             if name.startswith("1-"):  # expand the sweep: its children nest under the parent
-                page.get_by_role("button", name="Expand").first.click()
+                page.locator("button[data-component-id$='runnamecellrenderer.tsx_46']").first.click()
             time.sleep(2)
             page.screenshot(path=str(out / name), full_page=True)
             print(f"{out / name}: {page.url}")
