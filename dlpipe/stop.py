@@ -131,3 +131,15 @@ def stop_gracefully(request: StopRequest, requeue_signal: signal.Signals | None 
         stop_clock().value = 0.0
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def ignore_termination(why: str) -> None:
+    """For the rest of this process, SIGTERM is logged (`why`) and ignored. For a data-parallel rank
+    whose job failed: torchrun sends SIGTERM to every other rank as soon as one exits, and this rank
+    must still free its model, close its connections and print its one line. It ends right after
+    (one job per rank); should that hang, torchrun kills it after its grace period."""
+
+    def handler(signum, frame):
+        log.warning("SIGTERM ignored: %s", why)
+
+    signal.signal(signal.SIGTERM, handler)

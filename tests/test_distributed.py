@@ -188,6 +188,40 @@ def test_bench_refuses_to_run_under_torchrun(tmp_path, dlpipe):
     assert "dlpipe: error: rank 0: WORLD_SIZE=2: dlpipe bench measures one process" in r.stderr
 
 
+def _fail_holding(model):
+    held = model  # a failed job's frame holds its DDP model, as train_tracked's holds the job
+    raise DlpipeError(f"failed with {type(held).__name__}")
+
+
+def test_a_failed_rank_frees_its_ddp_model_while_its_group_lives(tmp_path):
+    """release_failed clears the error's finished frames: the DDP model they held is freed before the
+    group is destroyed (afterwards, its reducer would destroy the group holding the GIL), and the
+    error still prints its traceback."""
+    import traceback
+    import weakref
+
+    import torch.distributed as dist
+
+    from dlpipe.training.distributed import release_failed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        alive = weakref.ref(ddp)
+        try:
+            _fail_holding(ddp)
+        except DlpipeError as error:
+            del ddp
+            assert alive() is not None  # the error's frame holds it
+            release_failed(error)
+            assert alive() is None
+            assert dist.is_initialized()
+            printed = "".join(traceback.format_exception(error))
+            assert "in _fail_holding" in printed and "failed with DistributedDataParallel" in printed
+    finally:
+        dist.destroy_process_group()
+
+
 def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
     """no_sync on the micro-batches that do not step: DDP communicates once per optimizer step,
     including the partial window at the end of the epoch (a one-rank gloo group, in process)."""

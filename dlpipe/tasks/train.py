@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from dlpipe.console import summary_table
 from dlpipe.redact import redact_text
 from dlpipe.schema import DlpipeConfig, TrackingConfig
-from dlpipe.stop import stop_gracefully
+from dlpipe.stop import ignore_termination, stop_gracefully
 from dlpipe.tasks.common import JobContext, open_run, preflight, start_tracking
 from dlpipe.tasks.train_job import build_job
 from dlpipe.training import distributed
@@ -52,12 +52,16 @@ def run(ctx: JobContext, raw: dict, resolved: dict, sidecar=None) -> float | Non
         # The job's DDP model sits in reference cycles (the trainer calls back into the job): left to a
         # later gc pass, its reducer is freed after its process group is gone, or in the interpreter's
         # teardown, where gloo's threads abort the rank ("terminate called without an active
-        # exception": 1 resume in 14 under load). Freed here, while the group lives. Not on failure:
-        # the traceback holds the job anyway, and rank 0 must say why it failed before torchrun,
-        # seeing the other rank exit, terminates it.
+        # exception": 1 resume in 14 under load). Freed here, while the group lives.
         gc.collect()
         distributed.barrier()  # no rank tears its connections down while another still uses them
         return result
+    except BaseException as error:
+        # The first rank to exit makes torchrun terminate the others: this one still has its model
+        # to free, its connections to close and its line to print.
+        ignore_termination(f"rank {ranks.rank} is ending its failed job")
+        distributed.release_failed(error)
+        raise
     finally:
         distributed.stop()
 

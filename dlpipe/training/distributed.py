@@ -162,6 +162,24 @@ def barrier() -> None:
     dist.barrier()
 
 
+def release_failed(error: BaseException) -> None:
+    """Before a rank whose job failed destroys its process group: free what the error's finished
+    frames hold, the job's DDP model among it, while the group lives. Freed later (when the error is
+    dropped, or at exit), the model's reducer would hold the group's last reference and destroy it
+    while holding the GIL, joining gloo's threads: a deadlock when one of them waits for the GIL,
+    an abort ("terminate called without an active exception") in the interpreter's teardown. The
+    traceback still prints: clearing a frame keeps its code and line."""
+    import gc
+    import traceback
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)  # skips the frames still running (the caller's)
+        error = error.__cause__ or error.__context__
+    gc.collect()  # the job's objects sit in reference cycles (the trainer calls back into the job)
+
+
 def stop() -> None:
     import torch.distributed as dist
 
