@@ -1,6 +1,5 @@
 """Data-parallel training: real torchrun, 2 gloo ranks on the CPU, against single-process training."""
 
-import gc
 import json
 import os
 import signal
@@ -193,33 +192,38 @@ def _fail_holding(model):
     raise DlpipeError(f"failed with {type(held).__name__}")
 
 
-def test_a_failed_rank_frees_its_ddp_model_while_its_group_lives(tmp_path):
-    """release_failed clears the error's finished frames: the DDP model they held is freed before the
-    group is destroyed (afterwards, its reducer would destroy the group holding the GIL), and the
-    error still prints its traceback."""
+def test_a_failed_rank_frees_its_ddp_model_while_its_group_lives(tmp_path, monkeypatch):
+    """release_failed clears the error's finished frames and stop() collects before it destroys the
+    group: the DDP model, held by the frames and in a reference cycle as the job's is, is gone by then
+    (afterwards, its reducer would destroy the group holding the GIL), and the error still prints its
+    traceback."""
     import traceback
     import weakref
 
     import torch.distributed as dist
 
-    from dlpipe.training.distributed import release_failed
+    from dlpipe.training.distributed import release_failed, stop
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        ddp.__dict__["job"] = ddp  # the cycle (the trainer calls back into the job)
         alive = weakref.ref(ddp)
         try:
             _fail_holding(ddp)
         except DlpipeError as error:
             del ddp
-            assert alive() is not None  # the error's frame holds it
             release_failed(error)
-            assert alive() is None
-            assert dist.is_initialized()
             printed = "".join(traceback.format_exception(error))
-            assert "in _fail_holding" in printed and "failed with DistributedDataParallel" in printed
+        assert "in _fail_holding" in printed and "failed with DistributedDataParallel" in printed
+        assert alive() is not None  # in its cycle, until a collection
+        destroy, at_destroy = dist.destroy_process_group, []
+        monkeypatch.setattr(dist, "destroy_process_group", lambda: (at_destroy.append(alive()), destroy()))
+        stop()
+        assert at_destroy == [None] and not dist.is_initialized()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
@@ -230,7 +234,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
 
     from dlpipe.models.mlp import MLP
     from dlpipe.schema import TrainerConfig
-    from dlpipe.training.distributed import Collectives
+    from dlpipe.training.distributed import Collectives, stop
     from dlpipe.training.runner import Trainer
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -253,12 +257,11 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
         assert trainer.step == 3
         assert len(reductions) == 3  # not 10
     finally:
-        # DDP's reducer holds the group too: freed after destroy_process_group, it destroys the group
-        # itself while holding the GIL and joins gloo's threads, one of which may be waiting for the
-        # GIL to drop its last work's tensors (a hang, once in CI). Freed first, as tasks.train does.
+        # DDP's reducer holds the group too: freed after the group is destroyed, it destroys it itself
+        # while holding the GIL and joins gloo's threads, one of which may be waiting for the GIL to
+        # drop its last work's tensors (a hang, once in CI). Let go of it; stop() collects it first.
         trainer = None
-        gc.collect()
-        dist.destroy_process_group()
+        stop()
 
 
 def _epoch_row_on_rank(rank: int, store: str, rows: list[dict], out: str) -> None:

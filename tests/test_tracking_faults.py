@@ -354,17 +354,12 @@ def _kept_metrics(outbox: Path) -> bool:
 
 
 def _kept_steps(outbox: Path, key: str) -> set[int]:
-    """The steps of `key` that the outbox holds (its writes after the header line). Read while the
-    job writes it: a last line still being written is not an entry yet."""
-    lines = outbox.read_text().splitlines()[1:] if outbox.exists() else []
-    steps = set()
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line the job is writing now
-        steps |= {step for name, _, _, step in entry.get("metrics", []) if name == key}
-    return steps
+    """The steps of `key` that the outbox holds, read as `dlpipe sync` reads it (Outbox.load skips
+    a last line the job is still writing)."""
+    if not outbox.exists() or not outbox.stat().st_size:
+        return set()
+    return {step for entry in Outbox.load(outbox).entries for name, _, _, step in entry.get("metrics", [])
+            if name == key}
 
 
 def _broken_outboxes(sweep: Path, client, url: str) -> dict[str, str]:

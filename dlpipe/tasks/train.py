@@ -7,7 +7,6 @@ Under torchrun (or a submitit job of several tasks) every rank runs this with th
 each trains on its share of the data, rank 0 alone tracks, checkpoints and reports.
 """
 
-import gc
 import logging
 import os
 from dataclasses import replace
@@ -49,18 +48,13 @@ def run(ctx: JobContext, raw: dict, resolved: dict, sidecar=None) -> float | Non
         # from their own clock, may differ by a second).
         ctx = replace(ctx, output_dir=Path(distributed.broadcast(str(ctx.output_dir))))
         result = train(ctx, raw, cfg, decided, ranks, sidecar)
-        # The job's DDP model sits in reference cycles (the trainer calls back into the job): left to a
-        # later gc pass, its reducer is freed after its process group is gone, or in the interpreter's
-        # teardown, where gloo's threads abort the rank ("terminate called without an active
-        # exception": 1 resume in 14 under load). Freed here, while the group lives.
-        gc.collect()
         distributed.barrier()  # no rank tears its connections down while another still uses them
         return result
     except BaseException as error:
         # The first rank to exit makes torchrun terminate the others: this one still has its model
         # to free, its connections to close and its line to print.
         ignore_termination(f"rank {ranks.rank} is ending its failed job")
-        distributed.release_failed(error)
+        distributed.release_failed(error)  # the job, for stop() to free with the group still there
         raise
     finally:
         distributed.stop()

@@ -163,13 +163,9 @@ def barrier() -> None:
 
 
 def release_failed(error: BaseException) -> None:
-    """Before a rank whose job failed destroys its process group: free what the error's finished
-    frames hold, the job's DDP model among it, while the group lives. Freed later (when the error is
-    dropped, or at exit), the model's reducer would hold the group's last reference and destroy it
-    while holding the GIL, joining gloo's threads: a deadlock when one of them waits for the GIL,
-    an abort ("terminate called without an active exception") in the interpreter's teardown. The
-    traceback still prints: clearing a frame keeps its code and line."""
-    import gc
+    """For a rank whose job failed: let go of what the error's finished frames hold, the job and its
+    DDP model among it, so that stop() frees them while the group lives. The traceback still prints:
+    clearing a frame keeps its code and line."""
     import traceback
 
     seen = set()
@@ -177,13 +173,21 @@ def release_failed(error: BaseException) -> None:
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)  # skips the frames still running (the caller's)
         error = error.__cause__ or error.__context__
-    gc.collect()  # the job's objects sit in reference cycles (the trainer calls back into the job)
 
 
 def stop() -> None:
+    """Destroy the process group, once nothing that is garbage holds it. A finished job's DDP model
+    sits in reference cycles (the trainer calls back into the job); left to a later gc pass, or to
+    the interpreter's teardown, its reducer would hold the group's last reference and destroy it
+    while holding the GIL, joining gloo's threads: a deadlock when one of them waits for the GIL
+    (a hang in CI), an abort ("terminate called without an active exception": 1 resumed run in 14
+    under load) at exit."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
