@@ -6,9 +6,12 @@ CLI asks Hydra to raise instead (HYDRA_FULL_ERROR) and prints what `one_line` ma
 
 import difflib
 
+import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from dlpipe.config.store import UNREADABLE, unreadable_recipe
+from dlpipe.config.yaml_errors import yaml_problem
 from dlpipe.schema import allowed
 
 
@@ -40,8 +43,12 @@ def _unknown_key(error: OmegaConfBaseException, overrides: list[str]) -> str:
 
 def one_line(exc: BaseException, overrides: list[str]) -> str | None:
     """A one-line message for a Hydra composition error; None for anything else."""
+    if isinstance(exc, yaml.YAMLError):  # a file under --config-dir (or --config-name's) that does not parse
+        return yaml_problem(exc)
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
         group, _, option = exc.missing_cfg_file.rpartition("/")
+        if group.lstrip("/") == UNREADABLE:  # a recipe whose file is broken (config.store): why, not this stand-in
+            return unreadable_recipe(option) or f"recipe={option}: its file cannot be read"
         if group and exc.options:
             return f"{group}={option}: no such {group} option; available: {', '.join(sorted(exc.options))}"
         return str(exc).splitlines()[0]

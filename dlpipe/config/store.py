@@ -6,15 +6,21 @@ Hydra names a config group after its folder, and the shipped folder is `recipes/
 is `recipe` (`+recipe=vision`), so the files are read here and stored in the ConfigStore under
 group `recipe` at package `_global_`. Hydra then treats them like any other group option: their
 defaults lists may override groups, and `+recipe=nope` lists the available names.
+
+A recipe file that cannot be read fails only the commands that compose it, as a broken file under
+`--config-dir` does in Hydra (which reads a group's files only when they are chosen): it is stored as
+a stand-in that picks an option of UNREADABLE, a group with no options, and the composition error
+that follows is reported as the file's own problem (`unreadable_recipe`).
 """
 
 from pathlib import Path
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dlpipe.config.paths import recipe_dirs
+from dlpipe.config.yaml_errors import yaml_problem
 from dlpipe.errors import ConfigError
 from dlpipe.schema import DlpipeConfig
 
@@ -30,6 +36,22 @@ def find_recipes(dirs: list[Path] | None = None) -> dict[str, Path]:
     return found
 
 
+UNREADABLE = "dlpipe_unreadable_recipe"
+
+
+def _load(path: Path):
+    """The recipe's node, or the line saying why it cannot be used."""
+    try:
+        node = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        return yaml_problem(e)
+    except (OSError, UnicodeDecodeError, OmegaConfBaseException) as e:
+        return f"recipe {path}: cannot be read ({str(e).splitlines()[0]}); fix or remove the file"
+    if not isinstance(node, DictConfig):
+        return f"recipe {path}: holds a list, not keys to set; write it as `key: value` lines"
+    return node
+
+
 def register_recipes(dirs: list[Path] | None = None) -> dict[str, Path]:
     """Store every recipe in Hydra's ConfigStore; idempotent (a later store overwrites)."""
     from hydra.core.config_store import ConfigStore
@@ -37,13 +59,18 @@ def register_recipes(dirs: list[Path] | None = None) -> dict[str, Path]:
     cs = ConfigStore.instance()
     recipes = find_recipes(dirs)
     for name, path in recipes.items():
-        try:
-            node = OmegaConf.load(path)
-        except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
-            # one broken user recipe must not break every dlpipe command: name the file
-            raise ConfigError([f"recipe {path}: cannot be read ({str(e).splitlines()[0]})"]) from None
+        node = _load(path)
+        if isinstance(node, str):  # composing it fails, naming the file (unreadable_recipe): not every command
+            node = OmegaConf.create({"defaults": [f"/{UNREADABLE}/{name}"]})
         cs.store(group="recipe", name=name, node=node, package="_global_", provider=str(path.parent))
     return recipes
+
+
+def unreadable_recipe(name: str) -> str | None:
+    """Why the recipe NAME cannot be used (its file read again), or None once it can."""
+    path = find_recipes().get(name)
+    problem = _load(path) if path else None
+    return problem if isinstance(problem, str) else None
 
 
 def register_schemas() -> None:
