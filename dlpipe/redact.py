@@ -8,6 +8,7 @@ RedactingFilter). On disk a URI is kept without its password (`without_password`
 
 import logging
 import re
+import sys
 
 MASK = "***"
 # Whole words of a key (split at _ - . and case changes), so `hf_token` is a secret and
@@ -39,8 +40,9 @@ def redact_overrides(overrides: list[str]) -> list[str]:
     masked = []
     for override in overrides:
         key, eq, value = override.partition("=")
-        # a secret key, or a dict value holding one (the whole value: its other entries may be keys too)
-        keys = [key.lstrip("+~"), *_VALUE_KEYS.findall(value)]
+        # a secret key or one under a secret key (`+dataset.credentials.user`: redact_tree masks the whole
+        # node), or a dict value holding one (the whole value: its other entries may be keys too)
+        keys = [*key.lstrip("+~").split("."), *_VALUE_KEYS.findall(value)]
         secret = eq and value and any(map(is_secret_key, keys))
         masked.append(f"{key}={MASK}" if secret else redact_text(override))
     return masked
@@ -85,3 +87,69 @@ def redact_tree(tree):
     if isinstance(tree, str):
         return redact_text(tree)
     return tree
+
+
+# The flags that make Hydra print the composed config (and exit) instead of running the job.
+PRINTS_CONFIG = ("--cfg", "-c", "--info", "-i", "--help", "-h")
+_YAML_KEY = re.compile(r"^(?P<lead>\s*(?:-\s+)?)(?P<key>[A-Za-z_][\w\-]*):(?P<rest>\s.*)?$")
+_YAML_ITEM = re.compile(r"^(?P<lead>\s*-\s+)(?P<item>'?[+~]*[A-Za-z_][\w.\-/]*=.*)$")
+_ASSIGNED_KEYS = re.compile(r"([A-Za-z_][\w\-]*)\s*[=:]")
+
+
+class RedactingStream:
+    """Stdout for Hydra's `--cfg`, `--info` and `--help`: the config's secrets masked line by line as
+    redact_tree masks them (a secret key's value, a whole nested one included, and URI passwords), so
+    `--cfg job` stays YAML that loads, with '***' as the values. Interpolations are shown: they hold
+    no secret, only where to read one."""
+
+    def __init__(self, stream):
+        self._stream, self._pending = stream, ""
+        self._masked_at: int | None = None  # the indent of a secret key whose nested value is left out
+
+    def write(self, text: str) -> int:
+        *lines, self._pending = (self._pending + text).split("\n")
+        for line in lines:
+            clean = self._line(line)
+            if clean is not None:
+                self._stream.write(clean + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self._stream.write(self._line(self._pending) or "")
+            self._pending = ""
+        self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def _line(self, line: str) -> str | None:
+        """The line with its secret masked, or None for a line of a masked nested value."""
+        indent = len(line) - len(line.lstrip())
+        if self._masked_at is not None and line.strip():
+            # nested under the key, or a list at its indent (PyYAML does not indent a mapping's lists)
+            if indent > self._masked_at or (indent == self._masked_at and line.lstrip().startswith("- ")):
+                return None
+            self._masked_at = None
+        key, item = _YAML_KEY.match(line), _YAML_ITEM.match(line)
+        if key and is_secret_key(key["key"]):
+            value = (key["rest"] or "").strip()
+            if value in ("null", "~") or value.lstrip("'\"").startswith("${"):
+                return line
+            if not value:
+                self._masked_at = len(key["lead"])
+            return f"{key['lead']}{key['key']}: '{MASK}'"
+        if key and "=" in (key["rest"] or "") and any(map(is_secret_key, _ASSIGNED_KEYS.findall(key["rest"]))):
+            return f"{key['lead']}{key['key']}: '{MASK}'"  # overrides joined in one value (override_dirname)
+        if item:  # an override in Hydra's record (`--cfg all`): masked as in the run's tags
+            text = item["item"]
+            quoted = len(text) > 1 and text[0] == text[-1] == "'"
+            masked = redact_overrides([text[1:-1].replace("''", "'") if quoted else text])[0]
+            return item["lead"] + ("'" + masked.replace("'", "''") + "'" if quoted else masked)
+        return redact_text(line)
+
+
+def redact_printed_config(argv: list[str]) -> None:
+    """When argv asks Hydra to print the config instead of running, print it through a RedactingStream."""
+    if any(arg.partition("=")[0] in PRINTS_CONFIG for arg in argv):
+        sys.stdout = RedactingStream(sys.stdout)

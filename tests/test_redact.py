@@ -4,6 +4,7 @@ import io
 import logging
 
 import pytest
+import yaml
 from conftest import runs_of
 
 from dlpipe.redact import (
@@ -124,3 +125,32 @@ def test_log_records_are_redacted_by_the_handlers_filter():
     text = stream.getvalue()
     assert "pw1" not in text and "pw2" not in text
     assert "http://alice:***@h/api refused" in text and "request to http://alice:***@h/api failed" in text
+
+
+PRINTED_SECRETS = ["tracking.uri=http://alice:PRINTPW@mlflow.example", "+dataset.api_key=PRINTKEY",
+                   "+dataset.credentials.user=bob", "+dataset.credentials.pin=PRINTPIN",
+                   "+dataset.storage_options={region:eu,secret:PRINTSEC}"]
+# The same config with each secret already as dlpipe masks it: what --cfg job must print, key for key.
+AS_MASKED = ["tracking.uri='http://alice:***@mlflow.example'", "+dataset.api_key='***'", "+dataset.credentials='***'",
+             "+dataset.storage_options={region:eu,secret:'***'}"]
+
+
+@pytest.mark.parametrize("flags", [["--cfg", "job"], ["--cfg", "job", "--resolve"], ["--cfg", "all"], ["--info"],
+                                   ["--help"]], ids=" ".join)
+def test_printed_config_masks_secrets_and_stays_yaml(dlpipe, tmp_path, flags):
+    """--cfg, --info and --help print the composed config: secrets masked as in the run's record, nothing
+    else changed (--cfg job loads as YAML equal to the same config with the masks typed in), nothing made."""
+    r = dlpipe("+recipe=tabular", *PRINTED_SECRETS, *flags)
+    assert r.returncode == 0, r.stderr
+    assert not any(s in r.stdout + r.stderr for s in ("PRINTPW", "PRINTKEY", "PRINTPIN", "PRINTSEC")), r.stdout
+    assert list(tmp_path.iterdir()) == []
+    if flags[:2] == ["--cfg", "job"]:
+        typed = dlpipe("+recipe=tabular", *AS_MASKED, *flags)
+        assert typed.returncode == 0, typed.stderr
+        assert yaml.safe_load(r.stdout) == yaml.safe_load(typed.stdout)
+    elif flags == ["--cfg", "all"]:
+        printed = yaml.safe_load(r.stdout)
+        assert printed["hydra"]["overrides"]["task"] == [
+            "+recipe=tabular", "tracking.uri=http://alice:***@mlflow.example", "+dataset.api_key=***",
+            "+dataset.credentials.user=***", "+dataset.credentials.pin=***", "+dataset.storage_options=***"]
+        assert printed["dataset"]["credentials"] == MASK and printed["tracking"]["uri"].endswith(":***@mlflow.example")
