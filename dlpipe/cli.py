@@ -16,11 +16,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dlpipe.config.composition_errors import one_line
+from dlpipe.config.group_options import refuse_paths_as_options
 from dlpipe.config.paths import conf_dir
 from dlpipe.config.resolvers import register_resolvers
 from dlpipe.config.store import register_recipes, register_schemas
 from dlpipe.errors import ConfigError, DlpipeError, user_message
 from dlpipe.help import help_page, version_line
+from dlpipe.redact import redact_printed_config
 from dlpipe.stop import Terminated
 from dlpipe.tracking.given_run import refuse_outside_training
 from dlpipe.training.distributed import devices_requested, export_submitit_env, ranks_from_env, torchrun_command
@@ -249,9 +251,11 @@ def main() -> None:
     register_schemas()
     try:
         register_recipes()
+        refuse_paths_as_options(sys.argv[1:])  # before Hydra loads `dataset=../../x` from anywhere on disk
     except ConfigError as e:
         print(f"dlpipe: error: {e}", file=sys.stderr)
         sys.exit(2)
+    redact_printed_config(sys.argv[1:])  # --cfg job, --info: no tracking.uri password on the screen
     app = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_job)
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         app()  # the user asked for Hydra's full tracebacks
