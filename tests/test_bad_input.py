@@ -1,0 +1,110 @@
+"""Bad input from the user's own files and options, through the real CLI: a YAML file that does not parse
+wherever it enters, a broken recipe that only the commands using it see, a group option that is a path,
+and the config printed by --cfg / --info without secrets. Each refusal is one line, exit 2, and leaves
+nothing behind: no output folder, no MLflow store, no run."""
+
+import pytest
+import yaml
+
+BROKEN = "trainer:\n  epochs: [1,\n"  # a flow list left open: PyYAML stops at the end of the file
+BROKEN_LINE = (":3: expected the node content, but found '<stream end>' (while parsing a flow node); "
+               "fix the YAML there (indentation, a missing ':' or a bracket or quote left open)")
+TAGGED = "_target_: !!python/object/apply:os.system ['touch pwned']\n"
+TAGGED_LINE = (":1: could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'; "
+               "remove the tag: config files are plain YAML (a class is named by _target_, built by dlpipe)")
+RECIPE_HEAD = "# @package _global_\n"
+
+
+def _refused(r, tmp_path, expected: str, inputs: set[str]) -> None:
+    """Exit 2, exactly the one line expected on stderr, nothing on stdout, and nothing made beside the
+    test's own inputs: no outputs/ or multirun/ folder, no MLflow store (so no run)."""
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr == f"dlpipe: error: {expected}\n", r.stderr
+    assert r.stdout == ""
+    assert {p.name for p in tmp_path.iterdir()} == inputs
+
+
+def _store(tmp_path) -> str:
+    return f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+# (files to write under tmp_path, command-line arguments, environment, the file whose problem is reported,
+# the problem after its path)
+PLACES = {
+    "config-dir group file": ({"mine/dataset/broken.yaml": BROKEN}, ["--config-dir", "mine", "dataset=broken"], {},
+                              "mine/dataset/broken.yaml", BROKEN_LINE),
+    "config-dir group file with a python tag": ({"mine/dataset/evil.yaml": TAGGED},
+                                                ["--config-dir", "mine", "dataset=evil"], {},
+                                                "mine/dataset/evil.yaml", TAGGED_LINE),
+    "config-dir recipe": ({"mine/recipe/bad.yaml": RECIPE_HEAD + BROKEN}, ["--config-dir", "mine", "+recipe=bad"], {},
+                          "mine/recipe/bad.yaml", BROKEN_LINE.replace(":3:", ":4:")),
+    "config-dir primary config": ({"mine/main.yaml": "defaults:\n  - config\n  - _self_\n" + BROKEN},
+                                  ["--config-dir", "mine", "--config-name", "main"], {}, "mine/main.yaml",
+                                  BROKEN_LINE.replace(":3:", ":6:")),
+    "DLPIPE_RECIPE_PATH recipe": ({"rp/bad.yaml": RECIPE_HEAD + BROKEN}, ["+recipe=bad"], {"DLPIPE_RECIPE_PATH": "rp"},
+                                  "rp/bad.yaml", BROKEN_LINE.replace(":3:", ":4:")),
+    "DLPIPE_RECIPE_PATH recipe with a python tag": ({"rp/evil.yaml": RECIPE_HEAD + TAGGED}, ["+recipe=evil"],
+                                                    {"DLPIPE_RECIPE_PATH": "rp"}, "rp/evil.yaml",
+                                                    TAGGED_LINE.replace(":1:", ":2:")),
+    "a recipe another recipe builds on": ({"rp/bad.yaml": RECIPE_HEAD + BROKEN,
+                                           "rp/mine.yaml": RECIPE_HEAD + "defaults:\n  - /recipe/bad\n"},
+                                          ["+recipe=mine"], {"DLPIPE_RECIPE_PATH": "rp"}, "rp/bad.yaml",
+                                          BROKEN_LINE.replace(":3:", ":4:")),
+}
+
+
+@pytest.mark.parametrize("files, args, env, reported, problem", PLACES.values(), ids=PLACES.keys())
+def test_a_yaml_file_that_does_not_parse_is_one_line_naming_file_and_line(dlpipe, tmp_path, files, args, env,
+                                                                           reported, problem):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    inputs = {p.name for p in tmp_path.iterdir()}
+    r = dlpipe(*args, "trainer.epochs=1", _store(tmp_path), env=env)
+    _refused(r, tmp_path, f"{tmp_path / reported}{problem}", inputs)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_broken_recipe_fails_only_the_commands_that_use_it(dlpipe, tmp_path):
+    """As a broken file under --config-dir does in Hydra: the other recipes compose, train and list it."""
+    (tmp_path / "rp").mkdir()
+    (tmp_path / "rp" / "bad.yaml").write_text(RECIPE_HEAD + BROKEN)
+    env = {"DLPIPE_RECIPE_PATH": "rp"}
+    shown = dlpipe("+recipe=tabular", "--cfg", "job", env=env)
+    assert shown.returncode == 0 and shown.stderr == "", shown.stderr
+    assert yaml.safe_load(shown.stdout)["model"]["_target_"] == "dlpipe.models.mlp.MLP"
+    listed = dlpipe("--help", env=env)
+    assert listed.returncode == 0 and "recipe: bad, " in listed.stdout, listed.stdout
+    trained = dlpipe("+recipe=smoke", "trainer.epochs=1", "trainer.limit_train_batches=2", "trainer.progress=false",
+                     "tracking=none", "hydra.run.dir=run", env=env)
+    assert trained.returncode == 0 and "bad.yaml" not in trained.stdout + trained.stderr, trained.stderr
+    assert (tmp_path / "run" / "checkpoints" / "epoch-0001.pt").is_file()
+    used = dlpipe("+recipe=bad", _store(tmp_path), env=env)
+    assert used.returncode == 2 and used.stderr.startswith(f"dlpipe: error: {tmp_path / 'rp' / 'bad.yaml'}:4: ")
+
+
+X_YAML = "_target_: dlpipe.data.tabular.TabularDataset\n"
+DATASETS = "custom, image_folder, tabular, tabular_regression, tokens, tokens_ragged, vision"
+PATH_OPTIONS = {
+    "parent folders": (["dataset=../x"], "dataset=../x: a dataset option is a name, not a path (../x); allowed: "
+                       f"{DATASETS}; for a file of your own use --config-dir DIR with it at DIR/dataset/NAME.yaml"),
+    "absolute, in a sweep": (["--multirun", "dataset=tabular,{tmp}/x"],
+                             "dataset=tabular,{tmp}/x: a dataset option is a name, not a path ({tmp}/x); allowed: "
+                             f"{DATASETS}; for a file of your own use --config-dir DIR with it at "
+                             "DIR/dataset/NAME.yaml"),
+    "a recipe, with --config-dir": (["--config-dir", "{tmp}/mine", "+recipe=../x"],
+                                    "+recipe=../x: a recipe option is a name, not a path (../x); allowed: mine, nlp, "
+                                    "nlp_ragged, regression, smoke, tabular, vision; for a file of your own use "
+                                    "--config-dir DIR with it at DIR/recipe/NAME.yaml"),
+}
+
+
+@pytest.mark.parametrize("args, expected", PATH_OPTIONS.values(), ids=PATH_OPTIONS.keys())
+def test_a_group_option_that_is_a_path_is_refused_listing_the_options(dlpipe, tmp_path, args, expected):
+    """Hydra joins the option to the group's folder (dataset=../x is conf/x.yaml, dataset=/abs/x that
+    file): refused before Hydra reads anything."""
+    (tmp_path / "mine" / "recipe").mkdir(parents=True)
+    (tmp_path / "mine" / "recipe" / "mine.yaml").write_text(RECIPE_HEAD + "trainer:\n  epochs: 1\n")
+    (tmp_path / "x.yaml").write_text(X_YAML)
+    r = dlpipe(*[a.replace("{tmp}", str(tmp_path)) for a in args], _store(tmp_path))
+    _refused(r, tmp_path, expected.replace("{tmp}", str(tmp_path)), {"mine", "x.yaml"})
