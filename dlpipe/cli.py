@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dlpipe.config.composition_errors import one_line
 from dlpipe.config.group_options import refuse_paths_as_options
+from dlpipe.config.output_folder import LOCK_FILE
 from dlpipe.config.paths import conf_dir
 from dlpipe.config.resolvers import register_resolvers
 from dlpipe.config.store import register_recipes, register_schemas
@@ -48,6 +49,7 @@ def resolve(cfg: DictConfig) -> tuple[dict, dict]:
 
 
 HYDRA_FILES = {"config.yaml", "hydra.yaml", "overrides.yaml"}
+JOB_FILES = {LOCK_FILE}  # the folder's lock (config.output_folder), held by this job until it exits
 
 
 def remove_if_half_made(output_dir: Path, job_name: str) -> None:
@@ -67,7 +69,7 @@ def remove_if_half_made(output_dir: Path, job_name: str) -> None:
     for entry in output_dir.iterdir():
         if entry.name == ".hydra" and entry.is_dir() and {f.name for f in entry.iterdir()} <= HYDRA_FILES:
             continue
-        if entry.is_file() and entry.name == f"{job_name}.log":  # Hydra's log of this job, not any .log
+        if entry.is_file() and entry.name in {f"{job_name}.log", *JOB_FILES}:  # Hydra's log of this job, not any .log
             continue
         return
     shutil.rmtree(output_dir)
