@@ -76,6 +76,22 @@ BAD_VALUES = [
     ([], {"MLFLOW_TRACKING_URI": "garbage"},
      "tracking.uri=garbage (from the environment variable MLFLOW_TRACKING_URI): a bare word or path"),
     (["tracking.experiment="], {}, "tracking.experiment='': must be a name"),
+    # null for a parameter the class types without None: what it takes, not the class's own TypeError
+    (["optim=sgd", "optim.momentum=null"], {}, "optim.momentum=null: torch.optim.SGD takes a number as momentum, "
+                                               "not null; set one, or remove the key (~optim.momentum) for its "
+                                               "default 0"),
+    (["+optim.betas=null"], {}, "optim.betas=null: torch.optim.AdamW takes a list as betas, not null; set one, or "
+                                "remove the key (~optim.betas) for its default (0.9, 0.999)"),
+    (["scheduler=step", "scheduler.gamma=null"], {}, "scheduler.gamma=null: torch.optim.lr_scheduler.StepLR takes a "
+                                                     "number as gamma, not null; set one, or remove the key "
+                                                     "(~scheduler.gamma) for its default 0.1"),
+    (["scheduler=onecycle", "+scheduler.anneal_strategy=null"], {},
+     "scheduler.anneal_strategy=null: torch.optim.lr_scheduler.OneCycleLR takes one of cos, linear as anneal_strategy"),
+    (["scheduler=cosine", "scheduler.warmup_steps=null"], {},
+     "scheduler.warmup_steps=null: dlpipe.training.schedule.warmup_cosine takes an integer as warmup_steps, not null"),
+    (["scheduler=cosine", "scheduler.interval=null"], {}, "scheduler.interval=null: allowed: step (after every "),
+    (["scheduler=plateau", "scheduler.factor=null"], {}, "scheduler.factor=null: torch.optim.lr_scheduler."
+                                                         "ReduceLROnPlateau takes a number as factor, not null"),
     ([], {"MLFLOW_EXPERIMENT_NAME": " "}, "tracking.experiment=' ' (from the environment variable "
                                           "MLFLOW_EXPERIMENT_NAME): must be a name"),
 ]
@@ -130,6 +146,10 @@ CLI_BAD_INPUT = [
      "tracking.uri=http://127.0.0.1:{port}: 127.0.0.1:{port} accepted the connection but sent no HTTP answer "
      "within 1 s"),
     (["+recipe=smoke", "checkpoint.resume=must"], {}, "checkpoint.resume=must: no checkpoint in "),
+    (["+recipe=smoke", "optim.lr=null"], {}, "optim.lr=null: torch.optim.AdamW takes a number or Tensor as lr, not "
+                                             "null; set one, or remove the key (~optim.lr) for its default 0.001"),
+    (["+recipe=smoke", "scheduler=step", "scheduler.step_size=null"], {},
+     "scheduler.step_size=null: torch.optim.lr_scheduler.StepLR takes an integer as step_size, not null; set one"),
 ]
 
 

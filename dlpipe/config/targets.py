@@ -82,9 +82,12 @@ def _wrong_kind(group: str, target: str, obj) -> str | None:
     return f"dataset._target_={target}: {why}; {DATASET_ALLOWED}" if why else None
 
 
-def check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
+def check_target(group: str, node: dict, extra_args: int = 0, fills_in: tuple[str, ...] | None = None) -> list[str]:
     """A `_target_` must import, be what its group needs and accept the keys given for it (checked
-    before building anything). `extra_args`: leading parameters dlpipe passes itself (optim's params)."""
+    before building anything). `extra_args`: leading parameters dlpipe passes itself (optim's params).
+    `fills_in`: with it, a null is refused for a parameter typed without None, except these keys, which
+    dlpipe derives when null (scheduler.total_steps); without it nulls are not checked (model.num_classes
+    is null until the dataset says)."""
     target = node.get("_target_")
     if not target:
         return [f"{group}._target_ is missing: set it to an importable class, e.g. {group}._target_=pkg.module.Class"]
@@ -111,7 +114,61 @@ def check_target(group: str, node: dict, extra_args: int = 0) -> list[str]:
     if len(unknown) > 1 and len(unknown) == len(given):  # none fits: the target, not each key, is wrong
         return [f"{group}._target_={target}: takes none of the keys given ({', '.join(unknown)}); is it the "
                 f"object you meant? (allowed keys: {listed}){hint}"]
-    return [f"{group}.{k}: not a parameter of {target} (allowed: {listed}){hint}" for k in unknown]
+    nulls = [] if fills_in is None else [_null_refused(group, target, sig.parameters[k]) for k in given
+                                         if node[k] is None and k not in unknown and k not in fills_in]
+    return [f"{group}.{k}: not a parameter of {target} (allowed: {listed}){hint}" for k in unknown] + \
+        [line for line in nulls if line]
+
+
+_KIND_WORDS = {"float": "a number", "int": "an integer", "bool": "true or false", "str": "a string"}
+
+
+def _alternatives(text: str) -> list[str]:
+    """`float | Tensor` or `Union[float, Tensor]` -> ["float", "Tensor"], splitting only outside brackets."""
+    if text.startswith(("Union[", "typing.Union[")):
+        text = text[text.index("[") + 1:-1]
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text + "|"):
+        depth += (ch == "[") - (ch == "]")
+        if depth == 0 and ch in "|,":
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return parts
+
+
+def _in_words(kind: str) -> str:
+    name = kind.removeprefix("typing.")
+    if name.startswith("Literal["):
+        return "one of " + name[8:-1].replace("'", "")
+    if name.startswith(("list[", "tuple[", "Sequence[", "Iterable[")):
+        return "a list"
+    name = name.rpartition(".")[2] if "[" not in name else name  # torch.Tensor -> Tensor
+    return _KIND_WORDS.get(name, name)
+
+
+def _kinds(annotation) -> list[str] | None:
+    """What a parameter's annotation allows, in words; None when it allows None or says nothing
+    checkable (no annotation, Any, a type variable). Torch's schedulers annotate with strings
+    (`from __future__ import annotations`): all are read as text."""
+    if annotation is inspect.Parameter.empty:
+        return None
+    text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+    if any(word in text for word in ("None", "Optional", "Any")) or text.startswith("~"):
+        return None
+    return list(dict.fromkeys(_in_words(kind) for kind in _alternatives(text)))
+
+
+def _null_refused(group: str, target: str, param: inspect.Parameter) -> str | None:
+    """`KEY=null` for a parameter whose annotation leaves out None (AdamW's lr: float | Tensor), which
+    the class would fail on with a TypeError of its own; None when null is fine for it."""
+    kinds = None if param.default is None else _kinds(param.annotation)
+    if kinds is None:
+        return None
+    takes = " or ".join(kinds)
+    key = f"{group}.{param.name}"
+    fix = (f"set one, or remove the key (~{key}) for its default {param.default}"
+           if param.default is not inspect.Parameter.empty else "set one")
+    return f"{key}=null: {target} takes {takes} as {param.name}, not null; {fix}"
 
 
 def check_named_targets(group: str, nodes, example: str = "mypkg.module.Class") -> list[str]:

@@ -152,7 +152,8 @@ def _check_scheduler(node) -> list[str]:
     p = []
     interval = node.get("interval", SCHEDULER_DEFAULT_INTERVAL)
     if interval not in SCHEDULER_INTERVALS:
-        p.append(f"scheduler.interval={interval}: allowed: step (after every optimizer step), epoch (after every "
+        shown = "null" if interval is None else interval  # as typed: scheduler.interval=null
+        p.append(f"scheduler.interval={shown}: allowed: step (after every optimizer step), epoch (after every "
                  "epoch)")
     warmup = node.get("warmup_steps")
     if isinstance(warmup, (int, float)) and warmup < 0:
@@ -162,7 +163,8 @@ def _check_scheduler(node) -> list[str]:
         p.append(f"scheduler.min_lr_ratio={ratio}: must be in [0, 1] (the last step's lr as a share of optim.lr)")
     # the optimizer comes first, as optim's params do: skip it in the 'allowed' listing
     ours = ("interval", "monitor")  # dlpipe's keys, not the class's
-    target = check_target("scheduler", {k: v for k, v in node.items() if k not in ours}, extra_args=1)
+    target = check_target("scheduler", {k: v for k, v in node.items() if k not in ours}, extra_args=1,
+                          fills_in=("total_steps",))  # build.build_scheduler derives a null total_steps
     if target:
         return p + target
     monitor, on_metric = node.get("monitor"), _steps_on_a_metric(node["_target_"])
@@ -269,7 +271,7 @@ def validate(resolved: dict, cpu_budget: int | None = None) -> DlpipeConfig:
     problems += check_target("dataset", resolved["dataset"])
     problems += check_target("model", resolved["model"])
     # optimizers take the parameters first (a partial): skip it in the 'allowed' listing
-    problems += check_target("optim", resolved["optim"], extra_args=1)
+    problems += check_target("optim", resolved["optim"], extra_args=1, fills_in=())
     problems += _check_lr(resolved["optim"])
     problems += check_target("loss", resolved["loss"])
     problems += _check_metrics(resolved.get("metrics"))
