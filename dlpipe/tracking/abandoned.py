@@ -8,6 +8,15 @@ Each job records, in its output folder, which run it opened and which process ke
 folder, and `dlpipe sync`, read it: a run still RUNNING whose process is gone is ended KILLED, with
 `dlpipe.end_reason` saying it was found abandoned. A process on another host cannot be checked
 from here; it is taken as gone (an output folder is one job's at a time) and the reason says so.
+
+The record is written atomically and synced to disk, so a kill or a full disk leaves the previous
+one (or none), never a torn one; a crash of the machine itself or a damaged disk still can. The run
+keeps a second copy of the facts: its folder (`dlpipe.output_dir`, or `dlpipe.sweep_dir` for a
+sweep's parent) and the process that keeps it (`dlpipe.owner`), so a run whose record is unreadable
+is found in its store by its tags and judged the same way (runs_of_folder).
+
+A run whose tracking process died while its training process goes on is the training process's
+from then on: its writes go to the folder's outbox under its name (continue_outbox, keep_call).
 """
 
 import json
@@ -28,6 +37,8 @@ log = logging.getLogger(__name__)
 
 MARKER_FILE = "mlflow_run.json"
 END_REASON_TAG = "dlpipe.end_reason"
+OWNER_TAG = "dlpipe.owner"  # the process that keeps the run (Owner's fields, JSON): the run's own copy
+FOLDER_TAGS = ("dlpipe.output_dir", "dlpipe.sweep_dir")  # the folder a run records itself in (absolute)
 PREVIOUS_WAIT_S = 120.0  # for an earlier job's tracking process to end its run (wait_for_previous_tracking)
 
 
@@ -64,31 +75,72 @@ class Owner:
             alive = True  # it exists, as another user's process: not ours to judge
         return None if alive else f"its process {self.pid} on {self.host} is gone"
 
+    def tag(self) -> dict[str, str]:
+        """The run's own record of this owner (OWNER_TAG)."""
+        return {OWNER_TAG: json.dumps(asdict(self))}
+
+    @classmethod
+    def of_run(cls, run) -> "Owner | None":
+        """The owner a run's OWNER_TAG names (None without one)."""
+        try:
+            return cls.from_dict(json.loads(run.data.tags.get(OWNER_TAG, "")))
+        except ValueError:
+            return None
+
 
 def write_marker(folder: Path, run_id: str, uri: str) -> None:
-    """Record that this process opened `run_id` (atomically: a kill mid-write leaves the old one).
-    A record that cannot be written costs only that check later: the run goes on."""
-    record = {"run_id": run_id, "uri": without_password(uri), **asdict(Owner.this_process())}
+    """Record that this process opened `run_id`: written to a temporary file, synced to disk and
+    renamed over the old record, so a kill or a full disk mid-write leaves the old one, never a torn
+    one. A record that cannot be written costs only that check later: the run goes on."""
+    bare = without_password(uri)
+    record = {"run_id": run_id, "uri": bare, "password_removed": bare != uri, **asdict(Owner.this_process())}
     tmp = folder / (MARKER_FILE + ".tmp")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record) + "\n")
+        with open(tmp, "w") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # renamed before its data reached the disk, a crash could leave it empty
         tmp.replace(folder / MARKER_FILE)
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         log.warning("cannot record MLflow run %s in %s (%s): if this job is killed outright, a later job "
                     "there will not end the run", run_id, folder, first_line(e))
 
 
 def read_marker(folder: Path) -> dict | None:
+    """The folder's record, or None (missing, or unreadable after a warning: see load_marker)."""
+    try:
+        return load_marker(folder)
+    except ValueError as e:
+        log.warning("%s", e)
+        return None
+
+
+def load_marker(folder: Path) -> dict | None:
+    """The folder's record; None when it has none; ValueError (one line) when it is unreadable."""
     path = folder / MARKER_FILE
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        log.warning("%s is unreadable (%s): the run it names is not checked", path, first_line(e))
-        return None
-    return record if isinstance(record, dict) and "run_id" in record else None
+        raise ValueError(f"{path} is unreadable ({first_line(e)})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
+        raise ValueError(f"{path} is unreadable (no run id in it)")
+    return record
+
+
+def runs_of_folder(client, folder: Path) -> list:
+    """The runs of every experiment of the store that record `folder` as theirs (FOLDER_TAGS),
+    newest first: how a run is found when its folder's record is unreadable."""
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    value = str(folder.absolute())
+    quoted = f"'{value}'" if "'" not in value else f'"{value}"'
+    runs = []
+    for tag in FOLDER_TAGS:
+        runs += client.search_runs(experiments, filter_string=f"tags.`{tag}` = {quoted}", max_results=1000)
+    return sorted(runs, key=lambda r: r.info.start_time, reverse=True)
 
 
 def end_if_abandoned(client, run_id: str, owner: Owner | None, other_hosts: bool = True) -> tuple[str, str]:
@@ -112,10 +164,19 @@ def end_if_abandoned(client, run_id: str, owner: Owner | None, other_hosts: bool
 
 def close_previous(client, folder: Path, uri: str, resuming: str | None) -> None:
     """End the run an earlier job in `folder` left RUNNING, unless this job resumes it, its
-    writes wait in the folder's outbox for `dlpipe sync`, or it lives in another store."""
+    writes wait in the folder's outbox for `dlpipe sync`, or it lives in another store. With the
+    folder's record unreadable, the runs of this store that record the folder as theirs are judged
+    by their own tags instead (runs_of_folder)."""
     from mlflow.exceptions import MlflowException
 
-    marker = read_marker(folder)
+    try:
+        marker = load_marker(folder)
+    except ValueError as e:
+        log.warning("%s: looking for its run in the store by its tags", e)
+        for run in runs_of_folder(client, folder):
+            if run.info.status == "RUNNING" and run.info.run_id != resuming:
+                _close(client, run.info.run_id, Owner.of_run(run))
+        return
     if marker is None:
         return
     wait_for_previous_tracking(Owner.from_dict(marker))
@@ -129,10 +190,13 @@ def close_previous(client, folder: Path, uri: str, resuming: str | None) -> None
                     "to deliver them and end it", run_id, OUTBOX_FILE, folder)
         return
     try:
-        status, found = end_if_abandoned(client, run_id, Owner.from_dict(marker))
+        _close(client, run_id, Owner.from_dict(marker))
     except MlflowException as e:  # deleted from the store since
         log.info("MLflow run %s of an earlier job here: %s", run_id, first_line(e))
-        return
+
+
+def _close(client, run_id: str, owner: Owner | None) -> None:
+    status, found = end_if_abandoned(client, run_id, owner)
     if status == "KILLED" and found:
         log.warning("MLflow run %s of an earlier job here was left RUNNING (%s): ended KILLED", run_id, found)
     elif status == "RUNNING":
@@ -166,3 +230,56 @@ def _outbox_run(folder: Path) -> str | None:
         return Outbox.load(path).run_id
     except (OSError, ValueError, KeyError):
         return None  # unreadable: `dlpipe sync` reports it
+
+
+def continue_outbox(path: Path | None, uri: str, run_id: str) -> Outbox:
+    """This process's outbox for the run: what the tracking process kept there in an outage of its
+    own comes first (a last line torn by its death is dropped: that call was never answered, so it
+    is kept again), then this process's writes, under this process's name, so `dlpipe sync` judges
+    the run by this process. Written beside and renamed over the old file: a kill leaves one whole."""
+    box = Outbox(uri, run_id, path, owner=asdict(Owner.this_process()))
+    if path is None:
+        return box
+    earlier = []
+    if path.exists():
+        try:
+            left = Outbox.load(path)
+        except (OSError, ValueError, KeyError) as e:  # kept aside as it is, for whoever can read it
+            log.warning("%s is unreadable (%s): moved to %s.unreadable", path, first_line(e), path)
+            path.replace(path.with_name(path.name + ".unreadable"))
+        else:
+            if left.run_id == run_id:
+                earlier = left.entries
+            else:  # another run's, as MlflowRun._take_over leaves it: for `dlpipe sync`
+                path.replace(path.with_name(f"{path.stem}.{left.run_id}{path.suffix}"))
+    box.path = path.with_name(path.name + ".takeover")
+    box.path.unlink(missing_ok=True)
+    for entry in earlier:
+        box.add(entry)
+    box.tags(Owner.this_process().tag())  # the run's own record of its owner, updated by `dlpipe sync`
+    if box.path.exists():
+        box.path.replace(path)
+    box.path = path
+    return box
+
+
+def keep_call(box: Outbox, call: str, args: tuple, run_id: str) -> None:
+    """A tracking-process call (tracking.sidecar) of a process that died, kept in `box` as the outbox
+    entry `dlpipe sync` sends (Outbox.send) in its place."""
+    if call == "write_rows":
+        box.add({"metrics": [list(row) for row in args[0]]})  # (key, value, ms, step): Metric's order
+    elif call in ("set_tags", "log_text", "log_inputs", "log_artifact"):
+        getattr(box, {"set_tags": "tags", "log_text": "text", "log_inputs": "inputs",
+                      "log_artifact": "artifact"}[call])(*args)
+    elif call == "end":
+        if args[1]:
+            box.tags({END_REASON_TAG: args[1]})
+        box.end(args[0])
+    elif call == "log_params":
+        log.warning("MLflow run %s: %d params not logged: its tracking process died first", run_id,
+                    len(args[0]))
+    elif call == "log_pytorch_model":
+        Path(args[0]).unlink(missing_ok=True)
+        log.warning("tracking.log_model: the MLflow PyTorch model was not logged (its tracking process died); "
+                    "the run's checkpoints/ artifact holds its weights")
+    # watch_system: MLflow's monitor ran in the process that died; open and prepare came before

@@ -6,6 +6,13 @@ submitting environment. At the end the parent gets a comparison table (sweep_sum
 numbers as bar charts (sweep_summary.png; from tracking/sweep_jobs, sweep_report and sweep_chart) and
 the best job's name.
 
+The parent is recorded in the sweep's folder (`mlflow_run.json`, tracking.abandoned), so a sweep
+process killed outright leaves a trace: `dlpipe sync` or a later sweep there ends the parent KILLED.
+A sweep run again in the same folder (an explicit hydra.sweep.dir) continues that parent, as each job
+resumes its own run from its folder's checkpoint: the jobs stay its children and the summary counts
+each job folder's latest run once. With checkpoint.resume=never the jobs start over, and so does the
+sweep: a new parent.
+
 Hydra turns exceptions in callbacks into warnings, so a failure here never stops the sweep; the
 tests check the parent/child link in a real store to catch a silently broken callback.
 """
@@ -22,12 +29,14 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dlpipe.disk import unwritable
-from dlpipe.redact import redact_overrides
+from dlpipe.redact import redact_overrides, without_password
 from dlpipe.stop import STOP_SIGNALS, Terminated
+from dlpipe.tracking.abandoned import END_REASON_TAG, FOLDER_TAGS, Owner, close_previous, read_marker, write_marker
 from dlpipe.tracking.client import client_for, experiment_id
 from dlpipe.tracking.context_tags import context_tags
 from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG
 from dlpipe.tracking.run_names import SWEPT_KEYS_ENV, sweep_name
+from dlpipe.tracking.store_lock import absolute_uri
 from dlpipe.tracking.sweep_advice import CHECK_TAG, withdrawn_advice
 from dlpipe.tracking.sweep_chart import sweep_plot
 from dlpipe.tracking.sweep_jobs import Job, best_job, override_key, sweep_jobs
@@ -41,6 +50,9 @@ MAX_TAG_CHARS = 8000  # MLflow's tag value limit
 
 NOTE_TAG = "mlflow.note.content"
 """A run's description in the MLflow UI (markdown)."""
+SUMMARY_TAGS = (END_REASON_TAG, "dlpipe.jobs", "dlpipe.failed_jobs", "dlpipe.failed_overrides", "dlpipe.best_job",
+                "dlpipe.best_run_id", NOTE_TAG)
+"""What the end of a sweep writes on its parent: a continued parent drops the last attempt's."""
 
 
 def swept_keys(overrides: list[str]) -> list[str]:
@@ -65,6 +77,7 @@ class SweepTracking(Callback):
         self.client = None
         self.parent_id: str | None = None
         self.interrupted: str | None = None
+        self.every_job_runs = True  # whether Hydra runs every job even when one fails (_every_job_runs)
         self._previous_handlers: dict = {}
 
     def __getstate__(self):
@@ -76,21 +89,28 @@ class SweepTracking(Callback):
         tracking = OmegaConf.to_container(config.tracking, resolve=True)
         if not tracking["enabled"]:
             return
-        if unwritable(Path(config.hydra.sweep.dir)):
+        folder = Path(config.hydra.sweep.dir).absolute()
+        if unwritable(folder):
             return  # Hydra cannot make the sweep's folder and stops before any job: no parent run to end
         self.client = client_for(tracking["uri"], tracking["request_timeout_s"], tracking["request_retries"])
         exp = experiment_id(self.client, tracking["experiment"])
+        where = absolute_uri(tracking["uri"])
         given = list(config.hydra.overrides.task)
-        overrides = " ".join(redact_overrides(given)) or "none"
         recipe = config.hydra.runtime.choices.get("recipe") or "dlpipe"
         swept = swept_keys(given)
-        run = self.client.create_run(
-            exp,
-            run_name=sweep_name(recipe, given, swept),
-            tags={"dlpipe.role": "sweep", "dlpipe.overrides": overrides, "dlpipe.recipe": recipe,
-                  "dlpipe.sweep_dir": str(config.hydra.sweep.dir), **context_tags()},
-        )
-        self.parent_id = run.info.run_id
+        tags = {"dlpipe.role": "sweep", "dlpipe.overrides": " ".join(redact_overrides(given)) or "none",
+                "dlpipe.recipe": recipe, "dlpipe.sweep_dir": str(folder), **context_tags(),
+                **Owner.this_process().tag()}
+        resumes = OmegaConf.select(config, "checkpoint.resume", default="auto") != "never"
+        earlier = self._earlier_parent(folder, where, exp) if resumes else None
+        close_previous(self.client, folder, where, earlier)  # a killed sweep's parent, not continued: KILLED
+        if earlier:
+            self.parent_id = self._continue(earlier, tags)
+        else:
+            run = self.client.create_run(exp, run_name=sweep_name(recipe, given, swept), tags=tags)
+            self.parent_id = run.info.run_id
+        write_marker(folder, self.parent_id, where)
+        self.every_job_runs = _every_job_runs(config)
         os.environ[PARENT_RUN_ENV] = self.parent_id
         os.environ[SWEPT_KEYS_ENV] = json.dumps(swept)  # each job is named by its values of these
         # Hydra's sweeper raises a failed job's error before on_multirun_end, and a signal would
@@ -98,7 +118,37 @@ class SweepTracking(Callback):
         atexit.register(self._finish)
         for sig in STOP_SIGNALS:
             self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
-        log.info("sweep parent MLflow run %s", self.parent_id)
+        log.info("sweep parent MLflow run %s%s", self.parent_id, " (continued)" if earlier else "")
+
+    def _earlier_parent(self, folder: Path, where: str, exp: str) -> str | None:
+        """The parent an earlier sweep in this folder recorded, if this sweep continues it: in this
+        store and experiment, and not kept by a sweep process still running."""
+        from mlflow.exceptions import MlflowException
+
+        marker = read_marker(folder)
+        if marker is None or marker.get("uri") != without_password(where):
+            return None
+        try:
+            run = self.client.get_run(marker["run_id"])
+        except MlflowException:
+            return None  # deleted since
+        owner = Owner.from_dict(marker)
+        kept = run.info.status == "RUNNING" and (owner is None or owner.gone() is None)
+        if run.info.experiment_id != exp or run.data.tags.get("dlpipe.role") != "sweep" or kept:
+            return None
+        return run.info.run_id
+
+    def _continue(self, parent: str, tags: dict[str, str]) -> str:
+        """Reopen the earlier attempt's parent: RUNNING again, its summary and failed jobs dropped
+        (this attempt's end writes them anew), this attempt's tags."""
+        from mlflow.entities import RunTag
+
+        old = self.client.get_run(parent).data.tags
+        for key in [k for k in old if k in SUMMARY_TAGS or k.startswith(FAILED_TAG_PREFIX)]:
+            self.client.delete_tag(parent, key)
+        self.client.log_batch(parent, tags=[RunTag(k, tag_value(v)) for k, v in tags.items()])
+        self.client.update_run(parent, status="RUNNING")
+        return parent
 
     def _on_signal(self, signum, frame) -> None:
         self.interrupted = signal.Signals(signum).name
@@ -135,26 +185,26 @@ class SweepTracking(Callback):
         os.environ.pop(SWEPT_KEYS_ENV, None)
         parent, self.parent_id = self.parent_id, None
         parent_run = self.client.get_run(parent)
-        children = self.client.search_runs(
+        children = latest_per_folder(self.client.search_runs(
             [parent_run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'", max_results=10000
-        )
+        ))
         best, table = self._summarise(parent, parent_run, children)
 
         # A job that failed inside its run is both a non-FINISHED child and a failed-job tag:
         # count jobs by their overrides so it is counted once.
         failed = {v for k, v in parent_run.data.tags.items() if k.startswith(FAILED_TAG_PREFIX)}
+        without_run = failed - {r.data.tags.get("dlpipe.overrides") for r in children}
         failed |= {r.data.tags.get("dlpipe.overrides", r.info.run_id) for r in children if r.info.status != "FINISHED"}
         tags = {"dlpipe.jobs": str(len(children)), "dlpipe.failed_jobs": str(len(failed))}
         if failed:
             tags["dlpipe.failed_overrides"] = " | ".join(sorted(failed))
-        killed_children = (r.data.tags.get("dlpipe.end_reason") for r in children if r.info.status == "KILLED")
+        killed_children = (r.data.tags.get(END_REASON_TAG) for r in children if r.info.status == "KILLED")
         killed = self.interrupted or next(killed_children, None)
         if killed:
-            status, tags["dlpipe.end_reason"] = "KILLED", f"interrupted: {killed}"
+            status, tags[END_REASON_TAG] = "KILLED", f"interrupted: {killed}"
         elif failed or not ended_cleanly:
             status = "FAILED"
-            if not ended_cleanly:
-                tags["dlpipe.end_reason"] = "the sweep stopped early: a job failed"
+            tags[END_REASON_TAG] = self._failed_reason(len(failed), len(children) + len(without_run))
         else:
             status = "FINISHED"
         if best is not None:
@@ -169,6 +219,14 @@ class SweepTracking(Callback):
         for k, v in tags.items():
             self.client.set_tag(parent, k, tag_value(v))
         self.client.set_terminated(parent, status)
+
+    def _failed_reason(self, failed: int, jobs: int) -> str:
+        """What ended the sweep FAILED, as it happened: Hydra's basic sweeper runs every job of a
+        batch before it raises the first failure, then launches no further batch."""
+        if not failed:
+            return f"the sweep stopped before its end after {jobs} jobs, none of which failed"
+        counted = f"{failed} of {jobs} jobs failed (dlpipe.failed_overrides names them)"
+        return counted if self.every_job_runs else f"{counted}; the sweep launched no job after the failed one"
 
     def _summarise(self, parent: str, parent_run, children) -> tuple[Job | None, str]:
         """Print the table and log it (sweep_summary.md) and the chart; return the fastest job and the table.
@@ -212,3 +270,25 @@ class SweepTracking(Callback):
                     self.client.log_artifact(parent, str(png))
         except Exception as e:  # noqa: BLE001 - any failure here must not leave the parent RUNNING
             log.warning("sweep_summary.png not logged: %s: %s", type(e).__name__, e)
+
+
+def _every_job_runs(config: DictConfig) -> bool:
+    """Whether the sweep runs every job even when one fails: Hydra's basic sweeper in one batch
+    (no hydra.sweeper.max_batch_size) does; after a failed batch it launches no other."""
+    sweeper = OmegaConf.select(config, "hydra.sweeper._target_", default="") or ""
+    return sweeper.endswith("BasicSweeper") and OmegaConf.select(config, "hydra.sweeper.max_batch_size") is None
+
+
+def latest_per_folder(children: list) -> list:
+    """One child per job: the latest run of each job folder (dlpipe.output_dir). A job run again in
+    its folder without resuming (killed before its first checkpoint) leaves an earlier run there
+    that its new run supersedes; children without the tag are kept as they are."""
+    latest: dict[str, object] = {}
+    rest = []
+    for run in sorted(children, key=lambda r: r.info.start_time):
+        folder = run.data.tags.get(FOLDER_TAGS[0])
+        if folder is None:
+            rest.append(run)
+        else:
+            latest[folder] = run
+    return [*latest.values(), *rest]
