@@ -1,12 +1,13 @@
 """The MlflowClient every dlpipe process uses: HTTP calls that fail in seconds, a SQLite store opened
-by one process at a time (tracking.store_lock), MLflow's own output kept free of URI passwords."""
+by one process at a time and created whole or not at all (tracking.store_lock), MLflow's own output
+kept free of URI passwords and of urllib3's retry chatter."""
 
 import logging
 import os
 
 from dlpipe.errors import DlpipeError
 from dlpipe.redact import redact_logging, redact_text
-from dlpipe.tracking.store_lock import store_opening
+from dlpipe.tracking.store_lock import create_whole, half_made, is_new, store_opening
 
 
 def client_for(uri: str, timeout_s: float, retries: int):
@@ -21,11 +22,33 @@ def client_for(uri: str, timeout_s: float, retries: int):
     # A full or locked SQLite store is an outage that dlpipe reports in one line (MlflowRun._went_away);
     # MLflow would also print the SQL error's traceback on every refused write.
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+    # urllib3 warns of every retry ("Retrying (Retry(total=1, ...)) after connection broken"); an
+    # outage is said once by dlpipe (MlflowRun._went_away), and a failed request still raises.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     redact_logging(logging.getLogger("mlflow"))  # MLflow's own handler: its records skip the root's filter
     from mlflow import MlflowClient
 
-    with store_opening(uri):  # the client opens (creates, migrates) the store: one process at a time
-        return MlflowClient(tracking_uri=uri)
+    with store_opening(uri) as db:  # the client opens (creates, migrates) the store: one process at a time
+        if db is not None and is_new(db):
+            create_whole(uri, db, _create)
+        try:
+            return MlflowClient(tracking_uri=uri)
+        except Exception as e:
+            why = half_made(db, e) if db is not None else None
+            if why is None:
+                raise
+            raise DlpipeError(f"tracking.uri={redact_text(uri)}: {db} is half-made ({why}; a job was killed while it "
+                              f"created the store, or another tool was); move it aside (mv {db} {db}.broken) and run "
+                              "again to start a new store") from e
+
+
+def _create(uri: str) -> None:
+    """Create (and migrate) the SQLite store of `uri`, and let go of its file."""
+    from mlflow import MlflowClient
+
+    # MLflow keeps an engine per URI whose pooled connections stay open on the file, renamed into
+    # place by then: a tmpfs could not be unmounted or remounted read-only under them.
+    MlflowClient(tracking_uri=uri)._tracking_client.store.engine.dispose()  # no public way to close a store
 
 
 EXPERIMENT_KIND = "mlflow.experimentKind"
