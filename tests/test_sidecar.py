@@ -3,16 +3,21 @@ a real SQLite store: what it records, how a failure reaches the training process
 refused before its run opened leaves no store and no process, its log records, DataLoader-style
 forks, and the resource sampler leaving it out of the workers."""
 
+import json
 import logging
 import os
+import signal
 import time
 
 import pytest
 from conftest import runs_of
+from test_tracking_outage import wait_for
 
 from dlpipe.errors import DlpipeError
 from dlpipe.telemetry.sampler import TRACKING_MARK, ResourceSampler
+from dlpipe.tracking.abandoned import MARKER_FILE
 from dlpipe.tracking.client import client_for
+from dlpipe.tracking.outbox import Outbox
 from dlpipe.tracking.sidecar import MODULE, STOPPED
 from dlpipe.tracking.sidecar_run import SidecarRun
 
@@ -85,6 +90,41 @@ def test_a_run_its_job_stopped_without_ending_is_ended_killed(mlflow_store, tmp_
     run.close()
     stored = client_for(mlflow_store, 10, 0).get_run(run.run_id)
     assert stored.info.status == "KILLED" and stored.data.tags["dlpipe.end_reason"] == STOPPED
+
+
+def test_a_killed_tracking_process_leaves_its_run_to_the_outbox_and_sync(mlflow_store, tmp_path, dlpipe, caplog):
+    """SIGKILL of the tracking process, stopped (SIGSTOP) with a flush unread in its pipe: that flush,
+    never answered, and every call after it are kept in the outbox under this process's name (and its
+    record), with one warning; the end says `not sent`; `dlpipe sync` delivers every step and ends
+    the run FINISHED."""
+    run = opened(mlflow_store, "side-killed", tmp_path)
+    run.log_metrics({"train_loss": 1.0}, step=1)
+    run.flush()
+    wait_for(lambda: not run._unanswered, None, "the first flush to be answered")
+    os.kill(run._process.pid, signal.SIGSTOP)
+    run.log_metrics({"train_loss": 0.5}, step=2)
+    run.flush()  # lies in the pipe, unread
+    os.kill(run._process.pid, signal.SIGKILL)
+    run._process.wait()
+    with caplog.at_level(logging.WARNING):
+        run.log_metrics({"train_loss": 0.25}, step=3)
+        run.set_tags({"dlpipe.verdict": "input-bound"})
+        run.end("FINISHED")
+    assert run.status == "FINISHED, not sent"
+    warned = [r.getMessage() for r in caplog.records if "the tracking process" in r.getMessage()]
+    assert len(warned) == 1 and "exited (code -9)" in warned[0], warned
+    outbox = tmp_path / "outbox.jsonl"
+    assert Outbox.load(outbox).owner["pid"] == os.getpid()
+    assert json.loads((tmp_path / MARKER_FILE).read_text())["pid"] == os.getpid()
+    client = client_for(mlflow_store, 10, 0)
+    assert client.get_run(run.run_id).info.status == "RUNNING"
+
+    r = dlpipe("sync", str(outbox))
+    assert r.returncode == 0, r.stderr
+    stored = client.get_run(run.run_id)
+    assert stored.info.status == "FINISHED" and stored.data.tags["dlpipe.verdict"] == "input-bound"
+    assert [m.step for m in client.get_metric_history(run.run_id, "train/loss")] == [1, 2, 3]
+    assert not outbox.exists()
 
 
 def test_a_job_refused_before_its_run_opens_leaves_no_store_and_no_process(tmp_path):

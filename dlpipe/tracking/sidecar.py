@@ -10,7 +10,9 @@ leaves the training process.
 It ignores the stop signals (and runs in a session of its own, so a terminal's Ctrl-C does not
 reach it): the training process ends the run with the status it knows (KILLED after Ctrl-C or
 SIGTERM, FAILED with the reason). When that process dies without ending the run (SIGKILL, the OOM
-killer) the pipe closes, and the run is ended here, KILLED, with the metrics it was sent. Until it
+killer) the pipe closes, and the run is ended here, KILLED, with the metrics it was sent. Every call
+is answered once carried out (`done`, `failed` or `ack`): should this process die instead, the
+training process keeps the calls not yet answered, and those after, for `dlpipe sync`. Until it
 opens a run it has nothing to lose, and SIGTERM ends it (a job refused before its run opens does
 not wait for mlflow's import), except while it opens the store: a schema migration is not cut short.
 
@@ -168,10 +170,13 @@ def serve(channel: Channel) -> None:
                 user = isinstance(e, DlpipeError)
                 channel.send(("failed", call, type(e).__name__, str(e) if user else first_line(e), user))
             else:
-                if call in ASKED:
-                    channel.send(("done", call, result))
+                # every call is answered, also those not waited for: the training process keeps what
+                # it sent until then, and keeps it for `dlpipe sync` if this process dies first
+                channel.send(("done", call, result) if call in ASKED else ("ack", call))
             if call == "end":
                 return
+    except OSError as e:  # the pipe broke while answering: the training process is gone (kill -9)
+        logging.getLogger(__name__).debug("answering the training process: %s", e)
     finally:
         host.orphaned(reason)
 

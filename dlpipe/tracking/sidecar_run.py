@@ -9,23 +9,34 @@ the job is built) creates or reopens the run there and waits for its id. Every o
 is sent and not waited for: metrics are buffered here as tuples and sent at each flush, so the
 training loop never waits for the store. A call that fails in the tracking process is raised here
 at the next call (the run's end included), as one line.
+
+Should the tracking process die with the run open (`kill -9` of it alone), training goes on as in a
+server outage: the calls it had not answered yet, and every one after, are kept in the output
+folder's outbox (tracking.outbox), under this process's name (and in `mlflow_run.json`), with one
+warning; the job's last line says to run `dlpipe sync`, which delivers them and ends the run with
+the status the job ended with.
 """
 
 import logging
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
 import weakref
+from collections import deque
 from pathlib import Path
+
+import psutil
 
 from dlpipe.errors import DlpipeError
 from dlpipe.redact import redact_text
-from dlpipe.tracking.abandoned import PREVIOUS_WAIT_S
+from dlpipe.tracking.abandoned import PREVIOUS_WAIT_S, Owner, continue_outbox, keep_call, write_marker
 from dlpipe.tracking.metric_names import metric_rows
 from dlpipe.tracking.run import MAX_PENDING_METRICS, end_status
 from dlpipe.tracking.sidecar import ASKED, MODULE, Channel
+from dlpipe.tracking.store_lock import absolute_uri
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +58,10 @@ class SidecarRun:
         self._done = False
         self._prepared = False
         self._exit_wait_s = EXIT_WAIT_S
+        self._run_args: dict = {}
+        self._unanswered: deque = deque()  # calls sent, not yet answered: lost if the process dies
+        self._gone_seen = threading.Event()  # the pipe closed: the process died (or was closed)
+        self._kept = None  # an Outbox  # once the process died with the run open: its writes, for sync
         threading.Thread(target=self._read, name="dlpipe-tracking-pipe", daemon=True).start()
 
     @classmethod
@@ -76,6 +91,7 @@ class SidecarRun:
         # Opening may wait for an earlier job's tracking process, and an interrupted opening ends
         # its run only after it: close() waits that long before it kills the process.
         self._exit_wait_s = EXIT_WAIT_S + PREVIOUS_WAIT_S + run_args.get("offline_wait_s", 30.0)
+        self._run_args = run_args = {**run_args, "tags": {**run_args.get("tags", {}), **self._owner_tag()}}
         try:
             self.wait_prepared()
             self.run_id, self.resumed = self._ask("open", (run_args,))
@@ -86,6 +102,14 @@ class SidecarRun:
             raise DlpipeError(f"tracking.uri={redact_text(self._uri)}: cannot start an MLflow run "
                               f"({f.kind}: {f.text}); use tracking=none to train without tracking") from None
         return self
+
+    def _owner_tag(self) -> dict[str, str]:
+        """The tracking process as the run's owner (tracking.abandoned.OWNER_TAG), set as the run opens."""
+        try:
+            started = psutil.Process(self._process.pid).create_time()
+        except psutil.NoSuchProcess:
+            return {}  # it died already: opening the run says so
+        return Owner(socket.gethostname(), self._process.pid, started).tag()
 
     # What the job writes: sent, not waited for.
     def log_params(self, params: dict[str, object], compared: dict[str, list[str]] | None = None) -> None:
@@ -124,7 +148,8 @@ class SidecarRun:
     def end(self, status: str, reason: str | None = None) -> None:
         """Send what is buffered, end the run (the tracking process waits for an away server as
         MlflowRun.end does), then let the process exit. Failures of earlier calls are logged here,
-        not raised: the run has ended either way, and the job's own outcome is what the CLI reports."""
+        not raised: the run has ended either way, and the job's own outcome is what the CLI reports.
+        With the process dead, the end is kept with the run's other writes for `dlpipe sync`."""
         try:
             rows, self._rows = self._rows, []
             if rows:
@@ -136,6 +161,13 @@ class SidecarRun:
             for text in self._take_failures():
                 log.error("MLflow run %s: %s", self.run_id, text)
             self.close()
+        if self._kept is not None:
+            self.status = f"{status}, not sent"
+            where = self._kept.path or "memory (lost at exit)"
+            counts = self._kept.counts()
+            log.error("MLflow run %s: its tracking process died during the run: %d metrics, %d other writes and the "
+                      "run's end (%s) are kept in %s; send them with: dlpipe sync %s", self.run_id, counts["metrics"],
+                      counts["other writes"], status, where, self._kept.path.parent if self._kept.path else "")
 
     def close(self) -> None:
         """Stop the process; a run it opened that end() did not end, it ends KILLED first. Idempotent."""
@@ -170,13 +202,22 @@ class SidecarRun:
         return False
 
     def _send(self, call: str, args: tuple, check: bool = True) -> None:
-        """Send a call; with `check`, first raise what an earlier call's failure says."""
+        """Send a call; with `check`, first raise what an earlier call's failure says. Once the
+        process has died with the run open, keep the call for `dlpipe sync` instead (_take_over)."""
+        if self._kept is None and self.run_id is not None and self._gone_seen.is_set():
+            self._take_over()
+        if self._kept is not None:
+            keep_call(self._kept, call, args, self.run_id)
+            return
         if check:
             self._raise_failures()
+        self._unanswered.append((call, args))  # before sending: its answer may come at once
         try:
             self._channel.send((call, args))
         except OSError as e:
-            raise self._gone(call) from e
+            if self.run_id is None:
+                raise self._gone(call) from e
+            self._take_over()  # it holds this call, unanswered
 
     def _ask(self, call: str, args: tuple, check: bool = True):
         """Send a call and wait for its answer (_answer)."""
@@ -184,15 +225,41 @@ class SidecarRun:
         return self._answer(call)
 
     def _answer(self, call: str):
-        """The answer to `call` (one of sidecar.ASKED); its failure raised as _Failed."""
-        while True:
+        """The answer to `call` (one of sidecar.ASKED); its failure raised as _Failed. The run's end,
+        when the process died first, is kept with the run's writes (None)."""
+        while self._kept is None:
             message = self._answers.get()
             if message[0] == "gone":
-                raise self._gone(call)
-            if message[1] == call:
+                self._answers.put(message)  # for any later call that waits too
+                if call != "end" or self.run_id is None:
+                    raise self._gone(call)
+                self._take_over()
+            elif message[1] == call:
                 if message[0] == "failed":
                     raise _Failed(*message[2:])
                 return message[2]
+        return None
+
+    def _take_over(self) -> None:
+        """The tracking process died with the run open (kill -9 of it alone): training goes on as in
+        a server outage. The calls it had not answered, and every call from now on, are kept in the
+        outbox (after what it kept there itself), and the folder's run record names this process."""
+        args = self._run_args
+        uri = absolute_uri(args["uri"])
+        self._kept = continue_outbox(args.get("outbox_path"), uri, self.run_id)
+        unanswered, self._unanswered = list(self._unanswered), deque()
+        for call, call_args in unanswered:
+            keep_call(self._kept, call, call_args, self.run_id)
+        if args.get("marker_dir") is not None:
+            write_marker(args["marker_dir"], self.run_id, uri)
+        try:
+            code = self._process.wait(5)
+        except subprocess.TimeoutExpired:  # its pipe broke, yet it runs: it may not touch the run again
+            self._process.kill()
+            code = f"killed by dlpipe; {self._process.wait()}"
+        log.warning("tracking: the tracking process (pid %d) exited (code %s) with MLflow run %s open: training "
+                    "continues; the run's writes are kept in %s for `dlpipe sync`", self._process.pid, code,
+                    self.run_id, self._kept.path or "memory")
 
     def _take_failures(self) -> list[str]:
         """The lines of the failures of calls not waited for, received so far (each taken once)."""
@@ -214,14 +281,18 @@ class SidecarRun:
             try:
                 message = self._channel.receive()
             except Exception:  # EOF, a closed pipe or a message cut short: the process is gone
+                self._gone_seen.set()
                 self._answers.put(("gone",))
                 return
             if message[0] == "log":
                 _, level, name, text = message
                 logging.getLogger(name).log(level, "%s", text)
-            elif message[0] == "failed" and message[1] not in ASKED:  # raised at the next call
+                continue
+            if self._unanswered:  # calls are carried out, and answered, in the order they were sent
+                self._unanswered.popleft()
+            if message[0] == "failed" and message[1] not in ASKED:  # raised at the next call
                 self._failures.append(_Failed(*message[2:]).line(message[1]))
-            else:
+            elif message[0] != "ack":
                 self._answers.put(message)
 
     def _gone(self, call: str) -> DlpipeError:
@@ -230,7 +301,8 @@ class SidecarRun:
         except subprocess.TimeoutExpired:  # its pipe broke, yet it runs: say so rather than wait
             code = "none yet"
         return DlpipeError(f"tracking: the tracking process exited (code {code}) before {call}: MLflow run "
-                           f"{self.run_id or '(not opened)'} is ended by the next job in its output folder")
+                           f"{self.run_id or '(not opened)'} is ended by `dlpipe sync` of its output folder, or "
+                           "the next job there")
 
 
 def _dropper(channel_ref):
