@@ -108,3 +108,22 @@ def test_a_group_option_that_is_a_path_is_refused_listing_the_options(dlpipe, tm
     (tmp_path / "x.yaml").write_text(X_YAML)
     r = dlpipe(*[a.replace("{tmp}", str(tmp_path)) for a in args], _store(tmp_path))
     _refused(r, tmp_path, expected.replace("{tmp}", str(tmp_path)), {"mine", "x.yaml"})
+
+
+def test_init_from_another_models_checkpoint_is_one_line_with_the_count(dlpipe, tmp_path):
+    """An MLP's checkpoint into the vision CNN: 26 parameters differ, said in one line with the first few
+    of each kind (it was a line per parameter), for training and eval alike; no store, no output folder."""
+    first = dlpipe("+recipe=tabular", "trainer.epochs=1", "trainer.limit_train_batches=2", "trainer.progress=false",
+                   "tracking=none", "hydra.run.dir=first")
+    assert first.returncode == 0, first.stderr
+    expected = ("checkpoint.init_from=first/checkpoints: checkpoint first/checkpoints/best.pt does not fit the model, "
+                "26 parameters differ: 6 not in the model ('net.0.weight', 'net.0.bias', 'net.2.weight', "
+                "... (3 more)); 20 of the model's missing from it ('features.0.0.weight', 'features.0.1.weight', "
+                "'features.0.1.bias', ... (17 more)); is it another model's, or did the model config change?")
+    for command in ([], ["eval"]):
+        r = dlpipe(*command, "+recipe=vision", "checkpoint.init_from=first/checkpoints", "trainer.epochs=1",
+                   _store(tmp_path))
+        assert r.returncode == 2, r.stderr
+        assert [line for line in r.stderr.splitlines() if "dlpipe: error:" in line or "parameter" in line] == [
+            f"dlpipe: error: {expected}"], r.stderr
+        assert "Traceback" not in r.stderr and {p.name for p in tmp_path.iterdir()} == {"first"}

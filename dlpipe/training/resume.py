@@ -30,22 +30,33 @@ def find_start(store: CheckpointStore, policy: str) -> tuple[dict | None, Path |
     return state, path
 
 
-def check_model_fits(model, saved: dict, path: Path) -> None:
-    """A checkpoint whose parameters do not match the model: name the parameter, not a tensor dump."""
+def _first(names: list[str], show=repr, few: int = 3) -> str:
+    return ", ".join(map(show, names[:few])) + (f", ... ({len(names) - few} more)" if len(names) > few else "")
+
+
+def check_model_fits(model, saved: dict, path: Path, key: str = "") -> None:
+    """A checkpoint whose parameters do not match the model: one line with how many differ and the first
+    few of each kind (another model's checkpoint differs in every parameter), not a tensor dump.
+    `key`: the setting that named the checkpoint (`checkpoint.init_from=...`), said first."""
     current = model.state_dict()
-    problems = []
-    for name, tensor in saved.items():
-        if name not in current:
-            problems.append(f"checkpoint {path}: parameter '{name}' is not in the model (model config changed?)")
-        elif tuple(current[name].shape) != tuple(tensor.shape):
-            problems.append(
-                f"checkpoint {path}: parameter '{name}' has shape {list(tensor.shape)} there but "
-                f"{list(current[name].shape)} in the model (model config changed?)"
-            )
+    foreign = [n for n in saved if n not in current]
+    reshaped = [n for n in saved if n in current and tuple(current[n].shape) != tuple(saved[n].shape)]
     missing = [n for n in current if n not in saved]
-    problems += [f"checkpoint {path}: the model's parameter '{n}' is missing from it" for n in missing]
-    if problems:
-        raise ConfigError(problems)
+    if not (foreign or reshaped or missing):
+        return
+    def shapes(n: str) -> str:
+        return f"{n!r} has shape {list(saved[n].shape)} there but {list(current[n].shape)} in the model"
+
+    kinds = []
+    if reshaped:
+        kinds.append(f"{len(reshaped)} with another shape ({_first(reshaped, shapes)})")
+    if foreign:
+        kinds.append(f"{len(foreign)} not in the model ({_first(foreign)})")
+    if missing:
+        kinds.append(f"{len(missing)} of the model's missing from it ({_first(missing)})")
+    total = len(foreign) + len(reshaped) + len(missing)
+    raise ConfigError([f"{key + ': ' if key else ''}checkpoint {path} does not fit the model, {total} parameters "
+                       f"differ: {'; '.join(kinds)}; is it another model's, or did the model config change?"])
 
 
 # Keys that legitimately differ between a run and its resumption: where checkpoints go, how long to
@@ -93,7 +104,7 @@ def init_weights(model, source: str) -> Path:
         if path is None:
             raise ConfigError([f"checkpoint.init_from={source}: the folder holds no best.pt or epoch-N.pt"])
     state = load(path)
-    check_model_fits(model, state["model"], path)
+    check_model_fits(model, state["model"], path, key=f"checkpoint.init_from={source}")
     model.load_state_dict(state["model"])
     log.info("model weights from %s (epoch %s)", path, state.get("epoch", "?"))
     return path
