@@ -24,7 +24,7 @@ from dlpipe.config.store import register_recipes, register_schemas
 from dlpipe.errors import ConfigError, DlpipeError, user_message
 from dlpipe.help import help_page, version_line
 from dlpipe.redact import redact_printed_config
-from dlpipe.stop import Terminated
+from dlpipe.stop import Terminated, restore_handlers, stop_at_once
 from dlpipe.tracking.given_run import refuse_outside_training
 from dlpipe.training.distributed import devices_requested, export_submitit_env, ranks_from_env, torchrun_command
 from dlpipe.training.requeue import requeue_through_submitit
@@ -109,6 +109,7 @@ def _job(cfg: DictConfig):
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    handlers = stop_at_once()  # every task's runs end KILLED on a signal, from the job's first moment
     try:
         from dlpipe.tasks.common import JobContext
 
@@ -139,12 +140,14 @@ def _job(cfg: DictConfig):
                 sidecar.close()
     except KeyboardInterrupt:
         print("dlpipe: interrupted (Ctrl-C)", file=sys.stderr)
+        remove_if_half_made(Path(hc.runtime.output_dir), hc.job.name)
         sys.exit(130)
     except Terminated as e:
         # Under submitit, its signal (timeout or preemption) means "requeue me": the checkpoint is
         # written, so let submitit resubmit this job, which resumes it in the same output dir and run.
         requeue_through_submitit(str(e))
         print(f"dlpipe: terminated ({e})", file=sys.stderr)
+        remove_if_half_made(Path(hc.runtime.output_dir), hc.job.name)
         sys.exit(143)  # 128 + SIGTERM, what schedulers expect of a job that was told to stop
     except DlpipeError as e:
         lines = user_message(e)
@@ -159,6 +162,7 @@ def _job(cfg: DictConfig):
         remove_if_half_made(Path(hc.runtime.output_dir), hc.job.name)
         sys.exit(2)
     finally:
+        restore_handlers(handlers)
         from dlpipe import budget_share
 
         budget_share.leave()  # a sweep may run its next job in this process: it must not count this one

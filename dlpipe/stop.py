@@ -133,6 +133,97 @@ def stop_gracefully(request: StopRequest, requeue_signal: signal.Signals | None 
             signal.signal(sig, old)
 
 
+def stop_at_once() -> dict:
+    """From the first moment of a job until a task installs its own handlers (stop_gracefully): a
+    stop signal ends the job where it is, SIGINT as KeyboardInterrupt, the others as Terminated, so
+    whatever the task has open (its tracking runs, a trial's run, a temp file) ends KILLED or is
+    removed on the way out, and the CLI prints its one line. Without this SIGTERM, SIGUSR1 and
+    SIGUSR2 kill the process outright: runs left RUNNING, nothing printed.
+
+    Only signals still at Python's default are taken: a sweep's handler (tracking.sweep) and
+    submitit's already end the job their own way. After the first signal the others are logged and
+    ignored: they would cut the runs' end short. Returns the previous handlers (restore_handlers).
+    """
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if fired:
+            log.warning("%s ignored: the job is ending its runs", name)
+            return
+        fired.append(name)
+        if _stop_began is not None:  # DataLoader workers exist: the same signal's shutdown is ours
+            _stop_began.value = time.monotonic()
+        if _held is not None:
+            _held.append(name)  # a run is being opened or ended: Unbroken raises it once that is done
+            return
+        raise stop_error(name)
+
+    fired: list[str] = []
+    defaults = (signal.SIG_DFL, signal.default_int_handler)
+    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS if signal.getsignal(sig) in defaults}
+
+
+def stop_error(name: str) -> BaseException:
+    """What a stop signal raises: KeyboardInterrupt for SIGINT (the CLI's exit 130), else Terminated (143)."""
+    return KeyboardInterrupt() if name == "SIGINT" else Terminated(name)
+
+
+# The stop signals stop_at_once's handler has held back (a list while holding, else None).
+_held: list[str] | None = None
+
+
+@contextmanager
+def _holding():
+    global _held
+    outer, _held = _held, []
+    try:
+        yield _held
+    finally:
+        _held = outer
+
+
+class Unbroken:
+    """A context manager (a tracking run) whose opening and ending a stop signal cannot cut in two:
+    raised inside MLflow's create_run, a signal would leave a run created but never ended (RUNNING
+    forever), and inside its end, one never marked ended. With stop_at_once's handler installed, a
+    signal in those moments is held and raised right after: once the run is open, as the block's
+    exception (the run ends KILLED); once it has ended, as the job's stop.
+
+    `make()` creates the context manager (e.g. `lambda: MlflowRun(...)`)."""
+
+    def __init__(self, make):
+        self.make = make
+        self.inner = None
+
+    def __enter__(self):
+        with _holding() as held:
+            try:
+                self.inner = self.make()
+                entered = self.inner.__enter__()
+            except BaseException as error:
+                if held:  # no run to end: the stop is what the job ends with
+                    raise stop_error(held[0]) from error
+                raise
+        if held:
+            stop = stop_error(held[0])
+            self.__exit__(type(stop), stop, None)
+            raise stop
+        return entered
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        with _holding() as held:
+            swallowed = self.inner.__exit__(exc_type, exc, tb)
+        if held and exc_type is None:
+            raise stop_error(held[0])
+        return swallowed
+
+
+def restore_handlers(previous: dict) -> None:
+    """Put back the handlers stop_at_once replaced."""
+    for sig, old in previous.items():
+        signal.signal(sig, old)
+
+
 def ignore_termination(why: str) -> None:
     """For the rest of this process, SIGTERM is logged (`why`) and ignored. For a data-parallel rank
     whose job failed: torchrun sends SIGTERM to every other rank as soon as one exits, and this rank

@@ -20,6 +20,7 @@ from dlpipe.config.validation import validate
 from dlpipe.errors import DlpipeError, first_line
 from dlpipe.redact import redact_logging, redact_overrides, redact_text, redact_tree
 from dlpipe.schema import DlpipeConfig, TrackingConfig
+from dlpipe.stop import Unbroken
 from dlpipe.tracking.context_tags import context_tags
 from dlpipe.tracking.given_run import refuse_outside_training
 from dlpipe.tracking.outbox import OUTBOX_FILE, connect_error
@@ -292,14 +293,18 @@ def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], re
                 retry_every_s=tracking.retry_every_s, offline_wait_s=tracking.offline_wait_s,
                 marker_dir=ctx.output_dir)
     if sidecar is not None:
-        return sidecar.open(**args)
-    try:
-        return MlflowRun(**args)
-    except DlpipeError:
-        raise
-    except Exception as e:  # MLflow raises many types for a bad URI or an unreachable server
-        raise DlpipeError(f"tracking.uri={redact_text(tracking.uri)}: cannot start an MLflow run "
-                          f"({redact_text(first_line(e))}); use tracking=none to train without tracking") from e
+        return Unbroken(lambda: sidecar.open(**args))
+
+    def start():
+        try:
+            return MlflowRun(**args)
+        except DlpipeError:
+            raise
+        except Exception as e:  # MLflow raises many types for a bad URI or an unreachable server
+            raise DlpipeError(f"tracking.uri={redact_text(tracking.uri)}: cannot start an MLflow run "
+                              f"({redact_text(first_line(e))}); use tracking=none to train without tracking") from e
+
+    return Unbroken(start)  # a stop signal while it opens or ends leaves no run RUNNING
 
 
 def gpu_for(device: str) -> int | str | None:
