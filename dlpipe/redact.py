@@ -18,6 +18,7 @@ _SECRET_WORDS = {"token", "password", "passwd", "pwd", "secret", "apikey", "cred
 _SECRET_PAIRS = {("api", "key"), ("private", "key"), ("access", "key")}
 # The user part may be empty: `https://:TOKEN@host` is token-only authentication.
 _URI_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]*:)(?P<pw>[^@\s/]+)(?P<at>@)")
+_ENV_READ = re.compile(r"\$\{oc\.env:[A-Za-z_]\w*\}")
 # The keys of a dict value on the command line (`+dataset.storage_options={key:X,secret:Y}`).
 _VALUE_KEYS = re.compile(r"[{,]\s*['\"]?([A-Za-z_][\w\-]*)['\"]?\s*:")
 
@@ -43,7 +44,9 @@ def redact_overrides(overrides: list[str]) -> list[str]:
         # a secret key or one under a secret key (`+dataset.credentials.user`: redact_tree masks the whole
         # node), or a dict value holding one (the whole value: its other entries may be keys too)
         keys = [*key.lstrip("+~").split("."), *_VALUE_KEYS.findall(value)]
-        secret = eq and value and any(map(is_secret_key, keys))
+        # `${oc.env:HF_TOKEN}` holds no secret, only where to read one (the README's advice): kept, so a
+        # printed command that carries it still works
+        secret = eq and value and not _ENV_READ.fullmatch(value) and any(map(is_secret_key, keys))
         masked.append(f"{key}={MASK}" if secret else redact_text(override))
     return masked
 

@@ -154,3 +154,10 @@ def test_printed_config_masks_secrets_and_stays_yaml(dlpipe, tmp_path, flags):
             "+recipe=tabular", "tracking.uri=http://alice:***@mlflow.example", "+dataset.api_key=***",
             "+dataset.credentials.user=***", "+dataset.credentials.pin=***", "+dataset.storage_options=***"]
         assert printed["dataset"]["credentials"] == MASK and printed["tracking"]["uri"].endswith(":***@mlflow.example")
+
+
+def test_an_override_that_reads_a_secret_from_the_environment_is_kept():
+    """`${oc.env:HF_TOKEN}` holds no secret (the README's advice): kept in tags and printed commands, which
+    then still work; a default after the name may be one, so that is masked."""
+    assert redact_overrides(["+dataset.token=${oc.env:HF_TOKEN}", "+dataset.token=${oc.env:HF_TOKEN,hf_abc}"]) == [
+        "+dataset.token=${oc.env:HF_TOKEN}", "+dataset.token=***"]

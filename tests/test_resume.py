@@ -257,5 +257,6 @@ def test_the_resume_hint_is_the_jobs_own_command_in_its_folder(tmp_path):
                                                                        "+dataset.api_key=SECRET", "x=a b"],
                      recipe="smoke", multirun=True, config_dir="/my conf")
     expected = ("resume with: dlpipe --config-dir '/my conf' loader.num_workers=2 '+dataset.api_key=***' 'x=a b' "
-                f"checkpoint.resume=must hydra.run.dir={tmp_path}/sweep/3")
+                f"checkpoint.resume=must hydra.run.dir={tmp_path}/sweep/3 (secrets are not printed; supply "
+                "dataset.api_key's secret in place of ***)")
     assert resume_hint(ctx) == expected

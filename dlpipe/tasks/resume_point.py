@@ -5,7 +5,7 @@ import logging
 import shlex
 from pathlib import Path
 
-from dlpipe.redact import redact_overrides
+from dlpipe.redact import MASK, redact_overrides, redact_text
 from dlpipe.tasks.common import JobContext
 
 log = logging.getLogger("dlpipe")
@@ -43,15 +43,34 @@ def resume_point(store, policy: str, ranks) -> tuple[dict | None, Path | None]:
     return load(Path(path)), Path(path)
 
 
+# A tracking.uri password typed on the command line is not printed: the command reads the URI from
+# MLflow's own variable instead, which the user sets with the password (conf/tracking/mlflow.yaml reads it too).
+URI_FROM_ENV = "tracking.uri=${oc.env:MLFLOW_TRACKING_URI}"
+
+
+def _printable(override: str) -> tuple[str, str | None]:
+    """(the override as the printed command carries it, what the user must supply for it, if anything)."""
+    key, _, value = override.partition("=")
+    if key.lstrip("+~") == "tracking.uri" and redact_text(value) != value:
+        # (a placeholder such as PASSWORD would be masked as a password by the log's filter all the same)
+        return URI_FROM_ENV, f"MLFLOW_TRACKING_URI={redact_text(value)} in the environment, the password for {MASK}"
+    [masked] = redact_overrides([override])
+    return masked, None if masked == override else f"{key.lstrip('+~')}'s secret in place of {MASK}"
+
+
 def resume_hint(ctx: JobContext) -> str:
     """The command that continues this job: its config folder and overrides as Hydra recorded them
     (not this process's argv: under a launcher that is submitit's or joblib's), in this job's output
     folder (Hydra's default one is named after the launch time, so the same command would start over
-    in a new one), with checkpoint.resume=must (an override `never` would start over and overwrite)."""
+    in a new one), with checkpoint.resume=must (an override `never` would start over and overwrite).
+    Secrets are not printed: what to supply for them follows the command (a 401 otherwise)."""
     config = ["--config-dir", ctx.config_dir] if ctx.config_dir else []
     overrides = [o for o in ctx.overrides if not o.lstrip("+~").startswith("checkpoint.resume=")]
-    args = [*config, *redact_overrides(overrides), "checkpoint.resume=must", f"hydra.run.dir={ctx.output_dir}"]
-    return f"resume with: dlpipe {shlex.join(args)}"
+    shown, needs = zip(*map(_printable, overrides)) if overrides else ((), ())
+    args = [*config, *shown, "checkpoint.resume=must", f"hydra.run.dir={ctx.output_dir}"]
+    supply = [n for n in needs if n]
+    note = f" (secrets are not printed; supply {', '.join(supply)})" if supply else ""
+    return f"resume with: dlpipe {shlex.join(args)}{note}"
 
 
 def save_stop_checkpoint(trainer, reason: str, store, state: dict | None, hint: str) -> None:
