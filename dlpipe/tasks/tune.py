@@ -7,7 +7,9 @@ MLflow run and writes the winner as OUTPUT_DIR/loader/NAME.yaml with a header sa
 
 import dataclasses
 import logging
+import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC
@@ -16,9 +18,12 @@ from pathlib import Path
 import yaml
 
 from dlpipe import hardware
+from dlpipe.disk import write_failure
+from dlpipe.errors import DlpipeError
 from dlpipe.loader import policy
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard
 from dlpipe.schema import DlpipeConfig
+from dlpipe.stop import Terminated, Unbroken
 from dlpipe.tasks.common import JobContext, config_params, open_run, prepare_measurement, run_tags, settings_params
 
 log = logging.getLogger("dlpipe")
@@ -37,16 +42,20 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     with open_run(ctx, cfg.tracking, tags) as parent:
         parent.log_params({**config_params(cfg, plan, job.decided, "loader", "bench"),
                            **hardware.host_facts(cpu=budget)})
-        evaluate = evaluator(cfg, parent, tags, job.train_set, plan.batch_bytes, sampler, job.step)
+        done: dict[Candidate, Trial] = {}  # every trial as soon as it is measured: a stop still reports it
+        evaluate = evaluator(cfg, parent, tags, job.train_set, plan.batch_bytes, sampler, job.step, done)
+        search = Search(evaluate, bench.min_gain, max_workers,
+                        tune_persistent=crosses_epochs and cfg.trainer.epochs > 1, tune_pin=cuda,
+                        seed_workers=hardware.recommended_workers(budget.budget),
+                        persist=automatic_persistence(raw, cfg, len(job.train_set)),
+                        **dataset_options(cfg, job.train_set))
         started = time.perf_counter()
         sampler.start()
         try:
-            search = Search(evaluate, bench.min_gain, max_workers,
-                            tune_persistent=crosses_epochs and cfg.trainer.epochs > 1, tune_pin=cuda,
-                            seed_workers=hardware.recommended_workers(budget.budget),
-                            persist=automatic_persistence(raw, cfg, len(job.train_set)),
-                            **dataset_options(cfg, job.train_set))
             best = search.run(start)
+        except (KeyboardInterrupt, Terminated) as stop:  # the runs end KILLED on the way out
+            report_stopped(done, stop)
+            raise
         finally:
             sampler.stop()
         result = TuneResult(list(search.trials.values()), search.trials[best], search.trials[start],
@@ -57,6 +66,18 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
           f"the automatic config, {len(result.trials)} trials in {result.seconds:.0f} s", flush=True)
     print(f"use it: dlpipe --config-dir {bench.output_dir} loader={bench.name} ...", flush=True)
     return result.best.samples_per_s
+
+
+def report_stopped(trials: dict[Candidate, Trial], stop: BaseException) -> None:
+    """A search stopped by a signal: what it measured so far (each trial is a child run too), and
+    that no config was written (a part of the search is no result)."""
+    why = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else str(stop)
+    measured = [t for t in trials.values() if not t.skipped]
+    if measured:
+        print(trial_table(list(trials.values()), max(measured, key=lambda t: t.samples_per_s).candidate), flush=True)
+    n = len(measured)
+    print(f"tune: search stopped ({why}) with {n} candidate{'' if n == 1 else 's'} measured; no config written",
+          flush=True)
 
 
 def start_candidate(plan) -> Candidate:
@@ -89,9 +110,10 @@ def automatic_persistence(raw: dict, cfg: DlpipeConfig, train_size: int):
     return lambda workers: policy.persist_workers(workers, cfg.trainer.epochs, batches)[0]
 
 
-def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_bytes: int, sampler, step):
+def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_bytes: int, sampler, step,
+              done: dict[Candidate, Trial]):
     """evaluate(candidate) -> Trial for the search: the memory guard, the measurement, a log line
-    and a child MLflow run per measured candidate."""
+    and a child MLflow run per measured candidate; each trial also goes into `done` once measured."""
     from dlpipe.loader.measure import describe
     from dlpipe.tasks.evidence import bench_mode, measurement_file
     from dlpipe.tasks.loaders import loader_settings
@@ -107,17 +129,19 @@ def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_
         why = memory_guard(c, batch_bytes, hardware.shm_free_bytes(), hardware.memory_available_bytes(), worker_rss[0])
         if why:
             log.warning("tune: skip %s: %s", c.label(), why)
-            return Trial(c, skipped=why)
+            done[c] = Trial(c, skipped=why)
+            return done[c]
         trial = measure_candidate(c, train_set, settings, bench.batches, bench.warmup_batches, bench.repeats,
                                   cfg.trainer.seed, cuda, sampler, step)
+        done[c] = trial
         worker_rss[0] = max(worker_rss[0], trial.metrics.get("worker_rss_mean_mb", 0.0) * 2**20)
         journal.append({**c.settings(), "pin_memory": c.pin_memory and cuda}, trial.samples_per_s, "dlpipe tune")
         log.info("tune: %s: %s (runs %s)", c.label(), describe(trial.metrics), " ".join(f"{v:.0f}" for v in trial.runs))
         if tracking.enabled:
-            child = MlflowRun(tracking.uri, tracking.experiment, c.label(), {**tags, "dlpipe.task": "tune-trial"},
-                              parent_run_id=parent.run_id, timeout_s=tracking.request_timeout_s,
-                              retries=tracking.request_retries)
-            with child:
+            with Unbroken(lambda: MlflowRun(tracking.uri, tracking.experiment, c.label(),
+                                            {**tags, "dlpipe.task": "tune-trial"}, parent_run_id=parent.run_id,
+                                            timeout_s=tracking.request_timeout_s,
+                                            retries=tracking.request_retries)) as child:
                 child.log_params(trial_params(c, settings, cuda))
                 child.log_metrics(trial.metrics, step=0)
         return trial
@@ -153,23 +177,39 @@ class TuneResult:
 
 
 def save_result(ctx: JobContext, cfg: DlpipeConfig, budget, result: TuneResult, parent) -> None:
-    """The tuned loader config (OUTPUT_DIR/loader/NAME.yaml, a copy in the job's folder), the trial
-    table, and the parent run's metrics and tags."""
+    """The tuned loader config and the trial table into the parent run first (tune/NAME.yaml,
+    tune/trials.md, metrics and tags), then as files: OUTPUT_DIR/loader/NAME.yaml, a copy and the
+    table in the job's folder. A file that cannot be written (a full disk) fails the job in one line
+    naming it, after the config is printed: the search's result is never lost."""
     bench = cfg.bench
-    head = header(cfg, budget, result)
     loader = {**dataclasses.asdict(cfg.loader), "tuned_on": f"cpu_budget={budget.budget} host={socket.gethostname()}"}
-    write_config(Path(bench.output_dir) / "loader" / f"{bench.name}.yaml", loader, result.best.candidate, head)
-    copy = write_config(ctx.output_dir / f"{bench.name}.yaml", loader, result.best.candidate, head)
+    text = header(cfg, budget, result) + yaml.safe_dump({**loader, **result.best.candidate.settings()},
+                                                        sort_keys=False)
     table = result.table()
-    (ctx.output_dir / "tune_trials.md").write_text(table + "\n")
+    artifact = f"tune/{bench.name}.yaml"
+    parent.log_text(text, artifact)
     parent.log_text(table + "\n", "tune/trials.md")
-    parent.log_artifact(copy, "tune")
     # under a prefix of its own, as a sweep parent's: the chart view never mixes them with the trials'
     parent.log_metrics({"tune/best_samples_per_s": result.best.samples_per_s,
                         "tune/start_samples_per_s": result.start.samples_per_s, "tune/speedup": result.speedup,
                         "tune/seconds": result.seconds, "tune/trials": float(len(result.trials))}, step=0)
     parent.set_tags({"dlpipe.tuned": result.best.candidate.label(),
                      "dlpipe.tuned_threshold": f"{result.threshold:.3f}"})
+    files = [(f"bench.output_dir={bench.output_dir}", Path(bench.output_dir) / "loader" / f"{bench.name}.yaml", text),
+             (f"hydra.run.dir={ctx.output_dir}", ctx.output_dir / f"{bench.name}.yaml", text),
+             (f"hydra.run.dir={ctx.output_dir}", ctx.output_dir / "tune_trials.md", table + "\n")]
+    failed, kept = [], ["printed above"] + ([f"in MLflow run {parent.run_id} as {artifact}"] if parent.run_id else [])
+    for key, path, content in files:  # each one tried: a full disk under one folder spares the other's copy
+        try:
+            write_whole(path, content)
+        except OSError as e:
+            failed.append(f"{key}: cannot write {path} ({write_failure(e, path)})")
+        else:
+            kept += [f"in {path}"] if content is text else []
+    if failed:
+        print(text, end="", flush=True)  # the result, for the user to save
+        raise DlpipeError(f"{failed[0]}; free space there or choose another folder; the tuned config is "
+                          f"{', '.join(kept)}")
 
 
 def header(cfg: DlpipeConfig, budget, result: TuneResult) -> str:
@@ -203,13 +243,41 @@ def header(cfg: DlpipeConfig, budget, result: TuneResult) -> str:
     ]) + "\n"
 
 
-def write_config(path: Path, loader: dict, best: Candidate, head: str) -> Path:
-    values = {**loader, **best.settings()}
+def write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: into a temp file of its own in the same folder
+    (two tunes writing one config never share one), fsynced, then renamed over `path`, so a reader
+    sees the old file or the new one and, of two writers, the last one's whole; the temp file goes
+    on any failure. A tuned config already there is named in the log with when and what it measured."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(head + yaml.safe_dump(values, sort_keys=False))
-    tmp.replace(path)
-    return path
+    earlier = written_by(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o644)  # a config to share, not mkstemp's private 0600
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if earlier:
+        log.warning("tune: replaced %s (%s)", path, earlier)
+
+
+def written_by(path: Path) -> str | None:
+    """What the header of a config `dlpipe tune` wrote at `path` says: when, for what, and what it
+    measured; None when there is no such file."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [f.readline().removeprefix("# ").strip() for _ in range(4)]  # header()'s lines
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}"
+    said = [line.removesuffix(" Tune again on another machine.") for line in lines
+            if line.startswith("Written by") or " candidates measured " in line]
+    return " ".join(said) or "not written by dlpipe tune"
 
 
 def trial_table(trials: list[Trial], best: Candidate) -> str:
