@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 OUTBOX_FILE = "mlflow_outbox.jsonl"
 OUTBOX_GLOB = "mlflow_outbox*.jsonl"  # and mlflow_outbox.<run id>.jsonl: an earlier run's, moved aside
-MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limits
+MAX_PARAMS_PER_BATCH = 100
 # SQLite's words for a store that cannot take a write now but can later, once space is freed,
 # another process lets go of its lock or the mount is writable again: an outage, like a server's.
 LOCAL_STORE_FAULTS = ("database or disk is full", "database is locked", "attempt to write a readonly database",
@@ -58,6 +59,33 @@ def outage_reason(exc: BaseException) -> str:
 
     refused = next((e for e in causes(exc) if isinstance(e, sqlite3.OperationalError)), None)
     return f"{type(refused).__name__}: {refused}" if refused is not None else first_line(exc)
+
+
+def send_params(client, run_id: str, params: dict[str, str], compared: dict[str, list[str]] | None) -> None:
+    """Log `params` (values already clipped to MLflow's limit), in MLflow-sized batches, each batch's
+    keys removed from `params` once sent (a retry after a failure part-way sends only the rest).
+
+    With `compared` (a reopened run: tag -> keys), the run's params are read first: MLflow params
+    cannot change, so only new ones are logged, and each tag names those of its keys whose values
+    differ from the run's first attempt. Done here, when the params are delivered, rather than when
+    they were logged: a run reopened while its server is away is compared once it is back, since a
+    changed value sent blind would be refused and stop the whole delivery.
+    """
+    from mlflow.entities import Param, RunTag
+
+    if compared is not None:
+        logged = client.get_run(run_id).data.params
+        changed = {tag: sorted(k for k in keys if k in logged and k in params and logged[k] != params[k])
+                   for tag, keys in compared.items()}
+        if any(changed.values()):
+            client.log_batch(run_id, tags=[RunTag(tag, ", ".join(keys)) for tag, keys in changed.items() if keys])
+        for key in [k for k in params if k in logged]:
+            del params[key]
+    while params:
+        batch = sorted(params)[:MAX_PARAMS_PER_BATCH]
+        client.log_batch(run_id, params=[Param(k, params[k]) for k in batch])
+        for key in batch:
+            del params[key]
 
 
 def connect_error(uri: str, timeout_s: float) -> str | None:
@@ -131,6 +159,10 @@ class Outbox:
         if metrics:
             self.add({"metrics": [[m.key, m.value, m.timestamp, m.step] for m in metrics]})
 
+    def params(self, params: dict[str, str], compared: dict[str, list[str]] | None) -> None:
+        """Params not yet delivered; `compared`: see send_params (a reopened run's comparison, made at delivery)."""
+        self.add({"params": params, **({"compared": compared} if compared is not None else {})})
+
     def tags(self, tags: dict[str, str]) -> None:
         self.add({"tags": tags})
 
@@ -170,6 +202,8 @@ class Outbox:
                         client.log_batch(self.run_id, metrics=[Metric(*row) for row in batch])
                         # a batch sent is removed, so a retry after a failure never repeats it
                         entry["metrics"] = entry["metrics"][MAX_METRICS_PER_BATCH:]
+                elif "params" in entry:
+                    send_params(client, self.run_id, entry["params"], entry.get("compared"))
                 elif "tags" in entry:
                     client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in entry["tags"].items()])
                 elif "text" in entry:

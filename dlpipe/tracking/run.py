@@ -32,12 +32,11 @@ from dlpipe.tracking.abandoned import END_REASON_TAG, Owner, close_previous, wri
 from dlpipe.tracking.client import client_for, experiment_id
 from dlpipe.tracking.dataset_input import log_inputs
 from dlpipe.tracking.metric_names import metric_rows
-from dlpipe.tracking.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, outage_reason, unreachable
+from dlpipe.tracking.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, outage_reason, send_params, unreachable
 from dlpipe.tracking.store_lock import absolute_uri
 
 log = logging.getLogger(__name__)
 
-MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limits
 PROBE_TIMEOUT_S = 2.0  # a connect attempt while the server is away: bounds the stall of a flush
 MAX_PENDING_METRICS = 20000  # flush mid-epoch beyond this, so a very long epoch holds bounded memory
 MAX_PARAM_CHARS = 6000  # MLflow 3's param value limit
@@ -153,7 +152,9 @@ class MlflowRun:
 
         try:
             run = self.client.get_run(run_id)
-        except MlflowException:
+        except MlflowException as e:
+            if unreachable(e):  # whether the run exists is unknown: the job cannot open its run (one line)
+                raise
             log.warning("the checkpoint's MLflow run %s is not in this store: starting a new run", run_id)
             return False
         if run.info.experiment_id != self.experiment_id:
@@ -172,21 +173,16 @@ class MlflowRun:
     def log_params(self, params: dict[str, object], compared: dict[str, list[str]] | None = None) -> None:
         """Log params; on a reopened run, only new ones (MLflow params cannot change), and for each tag of
         `compared` (tag -> keys; default: every key under dlpipe.resumed_changed_params) tag those of its
-        keys whose values differ from the run's first (host facts such as free memory say nothing)."""
-        from mlflow.entities import Param
-
+        keys whose values differ from the run's first (host facts such as free memory say nothing).
+        Kept, like every write, while the server is away; a reopened run is compared on delivery."""
         values = {k: _clip(v) for k, v in params.items()}
-        if self.resumed:
-            logged = self.client.get_run(self.run_id).data.params
-            compared = {"dlpipe.resumed_changed_params": list(values)} if compared is None else compared
-            changed = {tag: sorted(k for k in keys if k in logged and k in values and logged[k] != values[k])
-                       for tag, keys in compared.items()}
-            if any(changed.values()):
-                self.set_tags({tag: ", ".join(keys) for tag, keys in changed.items() if keys})
-            values = {k: v for k, v in values.items() if k not in logged}
-        items = [Param(k, v) for k, v in sorted(values.items())]
-        for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
+        if not self.resumed:
+            compared = None
+        elif compared is None:
+            compared = {"dlpipe.resumed_changed_params": list(values)}
+        pending = dict(values)  # what a failure part-way leaves unsent (send_params removes what it sent)
+        self._write(lambda: send_params(self.client, self.run_id, pending, compared),
+                    lambda: self.outbox.params(pending, compared))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
