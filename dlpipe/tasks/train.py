@@ -79,12 +79,15 @@ def start_early(cfg: DictConfig):
 
 
 def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks, sidecar) -> float | None:
-    from dlpipe.tasks.resume_point import require_checkpoint
+    from dlpipe.tasks.resume_point import checkpoint_folder, require_checkpoint
     from dlpipe.tracking.given_run import given_run_id
+    from dlpipe.training.checkpoint import CheckpointStore
 
     if ranks.is_main:  # rank 0 alone chooses the checkpoint (resume_point)
         require_checkpoint(cfg, ctx)
-    given = given_run_id(cfg.tracking) if ranks.is_main else None  # MLFLOW_RUN_ID, before anything is built
+    # MLFLOW_RUN_ID, before anything is built: a run that holds epochs is continued only by a resume
+    resumes = cfg.checkpoint.resume != "never" and bool(CheckpointStore(checkpoint_folder(cfg, ctx)).candidates())
+    given = given_run_id(cfg.tracking, resumes) if ranks.is_main else None
     tracking = cfg.tracking if ranks.is_main else replace(cfg.tracking, enabled=False)
     own = sidecar is None and tracking.enabled
     if own:  # the CLI started none: the values it read were not usable as they were
