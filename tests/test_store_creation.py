@@ -167,9 +167,38 @@ def test_a_held_lock_is_said_once_with_its_holder_and_given_up_in_one_line(holde
     with pytest.raises(DlpipeError), store_opening(uri, give_up_s=7):
         pytest.fail("the lock was taken while another process held it")
     assert [r for r in caplog.records if r.levelno == logging.WARNING] == []  # gave up before the note
-    stop(proc)
+    stop(proc)  # SIGKILL: its record stays in the file
     with store_opening(uri, give_up_s=7):
         assert lock.read_text().split()[0] == str(os.getpid())
+    assert lock.read_text() == ""  # cleared when let go
+
+
+def test_a_holder_that_records_nothing_is_not_taken_for_a_dead_one(tmp_path, caplog):
+    """A dlpipe holder SIGKILLed leaves its record; the lock then held by a process that writes none
+    (flock(1), an older dlpipe) is said to be another process's, never the dead one's."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    dead = python(HOLD.format(uri=uri), tmp_path, tmp_path / "dead.txt")
+    wait_for(lambda: "held" in (tmp_path / "dead.txt").read_text() or dead.poll() is not None, dead, "the lock")
+    stop(dead)
+    assert (tmp_path / "mlflow.db.lock").read_text().split()[0] == str(dead.pid)
+    log = tmp_path / "bare.txt"
+    bare = python(f"""
+        import fcntl, os, time
+        fd = os.open({str(tmp_path / 'mlflow.db.lock')!r}, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(3600)
+    """, tmp_path, log)
+    caplog.set_level(logging.WARNING, logger="dlpipe.tracking.store_lock")
+    try:
+        wait_for(lambda: "held" in log.read_text() or bare.poll() is not None, bare, "the lock")
+        with pytest.raises(DlpipeError) as waited, store_opening(uri, give_up_s=6):
+            pytest.fail("the lock was taken while another process held it")
+    finally:
+        stop(bare)
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "held by another process (its pid is not recorded)" in said and str(dead.pid) not in said
+    assert "by another process (its pid is not recorded)" in str(waited.value)
 
 
 @pytest.mark.integration

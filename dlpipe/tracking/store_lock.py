@@ -74,15 +74,19 @@ def store_opening(uri: str, give_up_s: float = LOCK_GIVE_UP_S):
     except OSError:  # a read-only folder: nothing can create or migrate the store there; MLflow says why it fails
         yield None
         return
+    locked = False
     try:
         try:
             _acquire(fd, uri, lock_path(db), give_up_s)  # released by the kernel if this process dies holding it
+            locked = True
         except OSError as e:  # a filesystem without locks (some NFS and Lustre mounts): open it as MLflow would
             log.warning("cannot lock %s (%s): opening the store without serialising", lock_path(db), e.strerror or e)
         else:
             _remove_leftovers(db)
         yield db
     finally:
+        if locked:  # a later holder that records nothing (flock(1), an older dlpipe) must not be taken for us
+            os.ftruncate(fd, 0)
         os.close(fd)  # closing the descriptor releases the lock
 
 
@@ -135,12 +139,24 @@ def _holder(fd: int) -> tuple[str, float]:
     file; a holder on another host has another clock, and an older dlpipe wrote nothing."""
     try:
         pid, host, since = os.pread(fd, 256, 0).decode().split()
-        since_s = float(since)
+        since_s, pid_n = float(since), int(pid)
     except (OSError, UnicodeDecodeError, ValueError):
         return "another process (its pid is not recorded)", 0.0
     if host != socket.gethostname():
         return f"pid {pid} on host {host}", 0.0
+    if not _alive(pid_n):  # a holder killed before it cleared its record; the one now holding records nothing
+        return "another process (its pid is not recorded)", 0.0
     return f"pid {pid}", max(time.time() - since_s, 0.0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def _remove_leftovers(db: Path) -> None:
