@@ -127,3 +127,38 @@ def test_init_from_another_models_checkpoint_is_one_line_with_the_count(dlpipe, 
         assert [line for line in r.stderr.splitlines() if "dlpipe: error:" in line or "parameter" in line] == [
             f"dlpipe: error: {expected}"], r.stderr
         assert "Traceback" not in r.stderr and {p.name for p in tmp_path.iterdir()} == {"first"}
+
+
+SWEEP_TYPOS = {
+    "a swept group option": (["dataset=tabular,nope"], "dataset=nope: no such dataset option; available: custom, "
+                             "image_folder, tabular, tabular_regression, tokens, tokens_ragged, vision"),
+    "a swept unknown key": (["model.hiden=3,4"], "model.hiden=3,4: no key 'hiden' in model; did you mean "
+                            "model.hidden? allowed: _target_, depth, dropout, hidden, in_features, num_classes"),
+}
+
+
+@pytest.mark.parametrize("args, expected", SWEEP_TYPOS.values(), ids=SWEEP_TYPOS.keys())
+def test_a_sweep_with_a_job_that_cannot_compose_makes_nothing(dlpipe, tmp_path, args, expected):
+    """Hydra composes a sweep's jobs after its callbacks made the sweep folder and the parent run: every
+    job is composed first (config.sweep_check), so a typo in a swept value leaves no folder and no run."""
+    r = dlpipe("--multirun", "+recipe=tabular", "optim.lr=0.1,0.2", *args, _store(tmp_path))
+    _refused(r, tmp_path, expected, set())
+
+
+def test_the_sweep_check_expands_jobs_as_hydras_basic_sweeper_does():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from dlpipe.config.paths import conf_dir
+    from dlpipe.config.store import register_schemas
+    from dlpipe.config.sweep_check import job_overrides
+
+    register_schemas()
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        cfg = compose("config", return_hydra_config=True)
+    with open_dict(cfg):  # as a sweeper config's `params:` and the command line would give them
+        cfg.hydra.sweeper.params = {"optim.lr": "0.1,0.2"}
+        cfg.hydra.overrides.task = ["model=mlp,cnn", "trainer.epochs=1"]
+    assert job_overrides(cfg) == [
+        ["optim.lr=0.1", "model=mlp", "trainer.epochs=1"], ["optim.lr=0.1", "model=cnn", "trainer.epochs=1"],
+        ["optim.lr=0.2", "model=mlp", "trainer.epochs=1"], ["optim.lr=0.2", "model=cnn", "trainer.epochs=1"]]
