@@ -16,10 +16,13 @@ A leaf module (no torch, no tracking): the runner, the loader, the tasks, the tr
 CLI all import it.
 """
 
+import _thread
 import atexit
 import logging
 import multiprocessing
 import signal
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -133,7 +136,7 @@ def stop_gracefully(request: StopRequest, requeue_signal: signal.Signals | None 
             signal.signal(sig, old)
 
 
-def stop_at_once() -> dict:
+def stop_at_once() -> "AtOnce":
     """From the first moment of a job until a task installs its own handlers (stop_gracefully): a
     stop signal ends the job where it is, SIGINT as KeyboardInterrupt, the others as Terminated, so
     whatever the task has open (its tracking runs, a trial's run, a temp file) ends KILLED or is
@@ -141,26 +144,76 @@ def stop_at_once() -> dict:
     SIGUSR2 kill the process outright: runs left RUNNING, nothing printed.
 
     Only signals still at Python's default are taken: a sweep's handler (tracking.sweep) and
-    submitit's already end the job their own way. After the first signal the others are logged and
-    ignored: they would cut the runs' end short. Returns the previous handlers (restore_handlers).
-    """
+    submitit's already end the job their own way (and SIG_IGN, e.g. `nohup`, stays). Call
+    restore_handlers with what this returns when the job ends."""
+    return AtOnce()
 
-    def handler(signum, frame):
+
+class AtOnce:
+    """stop_at_once's handler and what it knows.
+
+    An exception raised from a signal handler lands in whatever Python code runs at that moment.
+    Two places cannot take it: a tracking write (raised inside MLflow's SQL or HTTP call it leaves a
+    run RUNNING, or a SQLite connection holding its lock, so the run's end waits forever), so those
+    hold the signal and raise it right after (Unbroken); and code whose exceptions Python ignores
+    (an at-fork hook when a DataLoader forks its workers, a __del__), which swallows it: until the
+    stop is seen on its way out, it is raised again every REDELIVER_S."""
+
+    REDELIVER_S = 1.0
+
+    def __init__(self):
+        self.signal: str | None = None  # the stop signal raised, once one came
+        self.restored = threading.Event()
+        defaults = (signal.SIG_DFL, signal.default_int_handler)
+        self.previous = {sig: signal.signal(sig, self.handler) for sig in STOP_SIGNALS
+                         if signal.getsignal(sig) in defaults}
+        self.previous_hook, sys.unraisablehook = sys.unraisablehook, self.unraisable
+
+    def handler(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if fired:
-            log.warning("%s ignored: the job is ending its runs", name)
+        if self.signal is not None and _on_its_way(sys.exc_info()[1]):
+            return  # raised and being handled: the runs are ending
+        if _held is not None and not _held:
+            _held.append(name)  # inside a tracking write: Unbroken raises it once that is done
+            self._began(name)
             return
-        fired.append(name)
-        if _stop_began is not None:  # DataLoader workers exist: the same signal's shutdown is ours
-            _stop_began.value = time.monotonic()
-        if _held is not None:
-            _held.append(name)  # a run is being opened or ended: Unbroken raises it once that is done
-            return
-        raise stop_error(name)
+        if self.signal is None:
+            self._began(name)
+            threading.Thread(target=self._redeliver, args=(signum,), daemon=True, name="dlpipe-stop").start()
+        raise stop_error(self.signal)
 
-    fired: list[str] = []
-    defaults = (signal.SIG_DFL, signal.default_int_handler)
-    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS if signal.getsignal(sig) in defaults}
+    def _began(self, name: str) -> None:
+        if self.signal is None:
+            self.signal = name
+            if _stop_began is not None:  # DataLoader workers exist: the same signal's shutdown is ours
+                _stop_began.value = time.monotonic()
+
+    def _redeliver(self, signum: int) -> None:
+        while not self.restored.wait(self.REDELIVER_S):
+            _thread.interrupt_main(signum)  # the handler raises it again unless it is on its way out
+
+    def unraisable(self, unraisable) -> None:
+        """sys.unraisablehook: a stop swallowed where Python ignores exceptions is raised again
+        (_redeliver), not printed as a traceback."""
+        if self.signal is not None and isinstance(unraisable.exc_value, KeyboardInterrupt | Terminated):
+            return
+        self.previous_hook(unraisable)
+
+    def restore(self) -> None:
+        self.restored.set()
+        sys.unraisablehook = self.previous_hook
+        for sig, old in self.previous.items():
+            signal.signal(sig, old)
+
+
+def _on_its_way(exc: BaseException | None) -> bool:
+    """Whether `exc` (the exception being handled where the signal landed) is a stop, or one raised
+    while a stop was being handled."""
+    while exc is not None:
+        if isinstance(exc, KeyboardInterrupt | Terminated):
+            return True
+        exc = exc.__context__
+    return False
 
 
 def stop_error(name: str) -> BaseException:
@@ -168,7 +221,8 @@ def stop_error(name: str) -> BaseException:
     return KeyboardInterrupt() if name == "SIGINT" else Terminated(name)
 
 
-# The stop signals stop_at_once's handler has held back (a list while holding, else None).
+# The stop signal stop_at_once's handler holds back while a tracking call runs (a list while
+# holding, else None); a second one is raised at once: the user insists.
 _held: list[str] | None = None
 
 
@@ -183,11 +237,12 @@ def _holding():
 
 
 class Unbroken:
-    """A context manager (a tracking run) whose opening and ending a stop signal cannot cut in two:
-    raised inside MLflow's create_run, a signal would leave a run created but never ended (RUNNING
-    forever), and inside its end, one never marked ended. With stop_at_once's handler installed, a
-    signal in those moments is held and raised right after: once the run is open, as the block's
-    exception (the run ends KILLED); once it has ended, as the job's stop.
+    """A context manager (a tracking run) whose every call a stop signal cannot cut in two: raised
+    inside MLflow's create_run, a signal would leave a run created but never ended (RUNNING
+    forever); inside a write, a SQLite connection holding its lock; inside its end, a run never
+    marked ended. With stop_at_once's handler installed, a signal in those moments is held and
+    raised right after: once the run is open, as the block's exception (the run ends KILLED); once
+    it has ended, as the job's stop. The block gets the run with each method so held.
 
     `make()` creates the context manager (e.g. `lambda: MlflowRun(...)`)."""
 
@@ -208,7 +263,7 @@ class Unbroken:
             stop = stop_error(held[0])
             self.__exit__(type(stop), stop, None)
             raise stop
-        return entered
+        return HeldCalls(entered)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         with _holding() as held:
@@ -218,10 +273,33 @@ class Unbroken:
         return swallowed
 
 
-def restore_handlers(previous: dict) -> None:
-    """Put back the handlers stop_at_once replaced."""
-    for sig, old in previous.items():
-        signal.signal(sig, old)
+class HeldCalls:
+    """`target` with each method called as one piece (Unbroken); attributes pass through."""
+
+    def __init__(self, target):
+        object.__setattr__(self, "_target", target)
+
+    def __getattr__(self, name: str):
+        value = getattr(self._target, name)
+        if not callable(value):
+            return value
+
+        def held(*args, **kwargs):
+            with _holding() as signals:
+                result = value(*args, **kwargs)
+            if signals:
+                raise stop_error(signals[0])
+            return result
+
+        return held
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._target, name, value)
+
+
+def restore_handlers(stop: AtOnce) -> None:
+    """Put back the handlers stop_at_once replaced; a stop raised is not raised again."""
+    stop.restore()
 
 
 def ignore_termination(why: str) -> None:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -18,6 +19,7 @@ from test_disk_faults import fill, tmpfs  # noqa: F401 (a fixture)
 from test_tracking_faults import _dead, server  # noqa: F401 (a fixture)
 from test_tracking_outage import wait_for
 
+from dlpipe.stop import Terminated, Unbroken, restore_handlers, stop_at_once
 from dlpipe.tasks.tune import write_whole
 
 CLUSTERS = ["--config-dir", str(TESTS_DIR / "conf"), "dataset=signals_itself", "model=mlp", "model.in_features=4",
@@ -97,16 +99,31 @@ def test_a_signal_while_the_job_is_built_ends_it_in_one_line_and_leaves_nothing(
 # -- item 5: SIGTERM to a tune in the middle of its search --------------------------------------------
 
 
-def start_tune(tmp_path: Path, uri: str, exp: str) -> subprocess.Popen:
-    """`dlpipe tune` over the slow items in a process group of its own (the signal goes to all of
-    it, DataLoader workers included, as scancel or `kill -TERM -PGID` sends it)."""
+def start_task(tmp_path: Path, uri: str, exp: str, task: str, *overrides: str) -> subprocess.Popen:
+    """`dlpipe TASK ...OVERRIDES` over the slow items in a process group of its own (the signal goes to all of
+    it, DataLoader workers included, as scancel, a terminal's Ctrl-C or `kill -TERM -PGID` sends it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DLPIPE_"))}
     env.update(NO_PHONE_HOME, PYTHONPATH=str(TESTS_DIR))
     return subprocess.Popen(
-        [sys.executable, "-m", "dlpipe", "tune", *SLOW, f"bench.output_dir={tmp_path / 'tuned'}",
-         f"hydra.run.dir={tmp_path / 'run'}", f"tracking.uri={uri}", f"tracking.experiment={exp}"],
+        [sys.executable, "-m", "dlpipe", task, *SLOW, *overrides, f"hydra.run.dir={tmp_path / 'run'}",
+         f"tracking.uri={uri}", f"tracking.experiment={exp}"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
         start_new_session=True)
+
+
+def signal_group_once(proc: subprocess.Popen, ready, what: str, sig) -> tuple[str, str, list]:
+    """Once `ready()`, send `sig` to the job's whole group: (stdout, stderr, the group's processes then)."""
+    try:
+        wait_for(lambda: ready() or proc.poll() is not None, proc, what, timeout_s=300)
+        assert proc.poll() is None, proc.communicate()
+        main = psutil.Process(proc.pid)
+        group = [main, *main.children(recursive=True)]  # DataLoader workers among them
+        os.killpg(proc.pid, sig)
+        return *proc.communicate(timeout=120), group
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.integration
@@ -117,20 +134,10 @@ def test_sigterm_mid_search_ends_every_run_killed_prints_the_trials_and_writes_n
 
     uri = mlflow_store if store == "sqlite" else request.getfixturevalue("server")[0]
     client, exp = MlflowClient(uri), f"tune-sigterm-{store}"
-    proc = start_tune(tmp_path, uri, exp)
-    try:
-        # once a trial has been measured and recorded, the search is on its next candidate
-        wait_for(lambda: any(r.info.status == "FINISHED" for r in runs_of(client, exp)) or proc.poll() is not None,
-                 proc, "the first trial's run", timeout_s=300)
-        assert proc.poll() is None, proc.communicate()
-        main = psutil.Process(proc.pid)
-        group = [main, *main.children(recursive=True)]  # the DataLoader workers of the trial being measured
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc = start_task(tmp_path, uri, exp, "tune", f"bench.output_dir={tmp_path / 'tuned'}")
+    # once a trial has been measured and recorded, the search is on its next candidate
+    out, err, group = signal_group_once(proc, lambda: any(r.info.status == "FINISHED" for r in runs_of(client, exp)),
+                                        "the first trial's run", signal.SIGTERM)
     assert (proc.returncode, dlpipe_lines(err)) == (143, ["dlpipe: terminated (SIGTERM)"]), err
     assert "Traceback" not in err + out and "killed by signal" not in err
     runs = runs_of(client, exp)
@@ -244,3 +251,75 @@ def test_a_tuned_config_replaced_is_named_with_what_it_measured(tmp_path, caplog
         "measured in 16 s: 412.4 samples/s against 193.1 for the automatic config (2.14x).)",
         f"tune: replaced {path} (not written by dlpipe tune)"]
     assert path.read_text() == "num_workers: 0\n" and oct(path.stat().st_mode & 0o777) == "0o644"
+
+
+@pytest.mark.integration
+def test_ctrl_c_to_a_bench_mid_measurement_ends_its_run_killed(tmp_path, mlflow_store, mlflow_client):
+    """A terminal's Ctrl-C reaches the whole group, workers included, while bench measures."""
+    proc = start_task(tmp_path, mlflow_store, "bench-ctrl-c", "bench", "bench.batches=2000", "loader.num_workers=2")
+    # its run is open once the measurement has begun (bench opens it right before)
+    out, err, _ = signal_group_once(proc, lambda: runs_of(mlflow_client, "bench-ctrl-c"), "the bench run",
+                                    signal.SIGINT)
+    assert (proc.returncode, dlpipe_lines(err)) == (130, ["dlpipe: interrupted (Ctrl-C)"]), err
+    assert "Traceback" not in err + out and not [line for line in out.splitlines() if line.startswith("bench: ")]
+    [run] = runs_of(mlflow_client, "bench-ctrl-c")
+    assert (run.info.status, run.data.tags["dlpipe.end_reason"]) == ("KILLED", "interrupted (Ctrl-C)")
+
+
+# -- stop.stop_at_once in this process, with real signals --------------------------------------------
+
+
+class Recorded:
+    """A context manager that records how it was entered, called and left (a tracking run's stand-in)."""
+
+    def __init__(self, log: list, signal_in: str | None = None):
+        self.log, self.signal_in = log, signal_in
+        if signal_in == "make":
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.log.append("made")
+
+    def __enter__(self):
+        return self
+
+    def write(self, value):
+        if self.signal_in == "write":
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.log.append(f"wrote {value}")
+        return value
+
+    def __exit__(self, exc_type, exc, tb):
+        self.log.append(f"ended {exc_type.__name__ if exc_type else 'cleanly'}")
+        return False
+
+
+@pytest.fixture
+def at_once():
+    stop = stop_at_once()
+    yield stop
+    restore_handlers(stop)
+
+
+@pytest.mark.parametrize("where, expected", [("make", ["made", "ended Terminated"]),
+                                             ("write", ["made", "wrote 1", "ended Terminated"])])
+def test_a_signal_inside_a_tracking_call_is_raised_once_the_call_is_done(at_once, where, expected):
+    log = []
+    with pytest.raises(Terminated, match="SIGTERM"):
+        with Unbroken(lambda: Recorded(log, where)) as run:
+            run.write(1)
+            log.append("went on")  # never: the signal is raised as the write returns
+    assert log == expected
+
+
+class SignalsWhenCollected:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler's exception is ignored here by Python
+
+
+def test_a_stop_swallowed_where_python_ignores_exceptions_is_raised_again(at_once, capfd):
+    SignalsWhenCollected()  # collected at once: its __del__ swallows the Terminated raised in it
+    assert at_once.signal == "SIGTERM"
+    deadline = time.monotonic() + 60
+    with pytest.raises(Terminated, match="SIGTERM"):
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert capfd.readouterr().err == ""  # no "Exception ignored" traceback for it
