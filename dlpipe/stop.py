@@ -190,6 +190,8 @@ class AtOnce:
 
     def _redeliver(self, signum: int) -> None:
         while not self.restored.wait(self.REDELIVER_S):
+            if signal.getsignal(signum) != self.handler:
+                return  # another handler took over (e.g. a failed rank's ignore_termination): it decides
             _thread.interrupt_main(signum)  # the handler raises it again unless it is on its way out
 
     def unraisable(self, unraisable) -> None:
