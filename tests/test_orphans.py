@@ -6,13 +6,15 @@ found by its folder's record or, with that record torn, by its own tags; a track
 alone, while training goes on; torn and damaged outboxes; the sweep parent's end reason."""
 
 import json
+import os
+from dataclasses import asdict
 from pathlib import Path
 
 from conftest import TESTS_DIR, epochs_logged, runs_of
 from test_tracking_faults import gone_owner, kill, spawn, tracking_process
 from test_tracking_outage import wait_for
 
-from dlpipe.tracking.abandoned import MARKER_FILE, OWNER_TAG
+from dlpipe.tracking.abandoned import MARKER_FILE, OWNER_TAG, Owner, keep_call
 from dlpipe.tracking.client import client_for
 from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox
 from dlpipe.tracking.sidecar import ORPHANED
@@ -231,3 +233,40 @@ def test_a_failed_sweeps_parent_says_how_many_jobs_ran_and_failed(tmp_path, mlfl
     assert parent.info.status == "FAILED"
     assert parent.data.tags["dlpipe.end_reason"] == ("1 of 1 jobs failed (dlpipe.failed_overrides names them); "
                                                      "the sweep launched no job after the failed one")
+
+
+def test_sync_leaves_an_outbox_its_live_job_still_writes(tmp_path, mlflow_store, mlflow_client, dlpipe):
+    """Sending rewrites the file: lines the job appended meanwhile would be lost. An outbox whose
+    writer (here this test's own process) still runs on this host is left to it, named, exit 1."""
+    run_id = mlflow_client.create_run(mlflow_client.create_experiment("live-writer")).info.run_id
+    path = tmp_path / "live" / OUTBOX_FILE
+    path.parent.mkdir()
+    Outbox(mlflow_store, run_id, path, owner=asdict(Owner.this_process())).tags({"kept": "1"})
+    before = path.read_bytes()
+    r = dlpipe("sync", "live")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        f"dlpipe sync: error: live/{OUTBOX_FILE}: its job's process {os.getpid()} still writes it and sends it "
+        "itself once the store is back; left to it (sync again once it has ended)",
+        "dlpipe sync: error: 1 of 1 outboxes not done (see above)"]
+    assert path.read_bytes() == before
+    run = mlflow_client.get_run(run_id)
+    assert run.info.status == "RUNNING" and "kept" not in run.data.tags
+
+
+def test_params_of_a_process_whose_tracking_process_died_are_kept_and_delivered(tmp_path, mlflow_store,
+                                                                               mlflow_client):
+    """keep_call keeps a dead tracking process's log_params as MlflowRun would have sent them: values
+    as text, cut to MLflow's limit; on a reopened run compared with the first attempt's on delivery."""
+    exp = mlflow_client.create_experiment("kept-params")
+    fresh, reopened = (mlflow_client.create_run(exp).info.run_id for _ in range(2))
+    mlflow_client.log_param(reopened, "optim.lr", "0.1")
+    for run_id, resumed, params in ((fresh, False, {"optim.lr": 0.1, "long": "x" * 7000}),
+                                    (reopened, True, {"optim.lr": 0.2, "new": 3})):
+        box = Outbox(mlflow_store, run_id, tmp_path / f"{run_id}.jsonl", owner=gone_owner())
+        keep_call(box, "log_params", (params, None), resumed)
+        Outbox.load(box.path).send(client_for(mlflow_store, 10, 0))
+    assert mlflow_client.get_run(fresh).data.params == {"optim.lr": "0.1", "long": "x" * 5997 + "..."}
+    run = mlflow_client.get_run(reopened).data
+    assert run.params == {"optim.lr": "0.1", "new": "3"}  # MLflow params cannot change: the first stays
+    assert run.tags["dlpipe.resumed_changed_params"] == "optim.lr"

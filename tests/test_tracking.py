@@ -9,7 +9,8 @@ from mlflow_server import free_port, start_server, stop_tree
 
 from dlpipe.errors import DlpipeError
 from dlpipe.stop import Terminated
-from dlpipe.tracking.run import MAX_PARAM_CHARS, MlflowRun
+from dlpipe.tracking.outbox import MAX_PARAM_CHARS
+from dlpipe.tracking.run import MlflowRun
 
 
 @pytest.fixture(scope="module")

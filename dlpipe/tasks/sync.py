@@ -15,9 +15,9 @@ A record that is unreadable is named in one line; its run is looked for by its t
 """
 
 import argparse
-import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -25,7 +25,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from dlpipe.errors import first_line
 from dlpipe.redact import redact_logging, redact_text, without_password
 from dlpipe.tracking.abandoned import MARKER_FILE, Owner, end_if_abandoned, load_marker, read_marker, runs_of_folder
-from dlpipe.tracking.outbox import OUTBOX_FILE, OUTBOX_GLOB, Outbox, connect_error, unreachable
+from dlpipe.tracking.outbox import OUTBOX_FILE, OUTBOX_GLOB, DamagedOutbox, Outbox, connect_error, unreachable
 from dlpipe.tracking.store_lock import sqlite_path
 
 log = logging.getLogger("dlpipe")
@@ -135,13 +135,18 @@ def sync_one(path: Path, stores: Stores) -> tuple[bool, str | None]:
     anything is left; its run when that is known)."""
     from mlflow.exceptions import MlflowException
 
-    damaged = damaged_line(path)
-    if damaged:
-        return _error(f"{damaged}; the file is kept as it is: remove or repair that line, then sync again"), None
     try:
         box = Outbox.load(path)
+    except DamagedOutbox as e:
+        return _error(f"{e}; the file is kept as it is: remove or repair that line, then sync again"), None
     except (OSError, ValueError, KeyError) as e:
         return _error(f"{path}: unreadable ({first_line(e)}); left as it is"), None
+    writer = _owner(box, path.parent)
+    ended = any("end" in entry for entry in box.entries)  # the run's last write: nothing follows it
+    if not ended and writer is not None and writer.host == socket.gethostname() and writer.gone() is None:
+        # sending rewrites the file: lines its job appended meanwhile would be lost
+        return _error(f"{path}: its job's process {writer.pid} still writes it and sends it itself once the store "
+                      "is back; left to it (sync again once it has ended)"), box.run_id
     try:
         client, shown = stores.open(box.uri, box.password_removed, path)
     except StoreAway as e:
@@ -162,22 +167,6 @@ def sync_one(path: Path, stores: Stores) -> tuple[bool, str | None]:
     if status == "RUNNING":
         return _error(f"{path.parent}: run {box.run_id} is still RUNNING: {found}"), box.run_id
     return True, box.run_id
-
-
-def damaged_line(path: Path) -> str | None:
-    """`PATH:N is damaged (...)` for a line before the last that is no complete write. A torn last
-    line is what a kill mid-write leaves (Outbox.load drops it with a note); a bad line before it
-    is damage to the file, and sending around it would deliver the run's writes with a hole."""
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, ValueError):
-        return None  # Outbox.load says why
-    for number, line in enumerate(lines[1:-1], start=2):
-        try:
-            json.loads(line)
-        except ValueError as e:
-            return f"{path}:{number} is damaged ({first_line(e)}): not a write dlpipe made, and not the last line"
-    return None
 
 
 def end_recorded(folder: Path, stores: Stores, done: set[str]) -> bool:

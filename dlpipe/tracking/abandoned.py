@@ -30,7 +30,7 @@ import psutil
 
 from dlpipe.errors import first_line
 from dlpipe.redact import without_password
-from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox
+from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, clipped, compared_params
 from dlpipe.tracking.sidecar import MODULE as SIDECAR_MODULE
 
 log = logging.getLogger(__name__)
@@ -263,21 +263,23 @@ def continue_outbox(path: Path | None, uri: str, run_id: str) -> Outbox:
     return box
 
 
-def keep_call(box: Outbox, call: str, args: tuple, run_id: str) -> None:
+def keep_call(box: Outbox, call: str, args: tuple, resumed: bool) -> None:
     """A tracking-process call (tracking.sidecar) of a process that died, kept in `box` as the outbox
-    entry `dlpipe sync` sends (Outbox.send) in its place."""
+    entry `dlpipe sync` sends (Outbox.send) in its place; `resumed`: the run was reopened, so its
+    params are compared with the first attempt's when delivered, as MlflowRun.log_params does."""
     if call == "write_rows":
         box.add({"metrics": [list(row) for row in args[0]]})  # (key, value, ms, step): Metric's order
-    elif call in ("set_tags", "log_text", "log_inputs", "log_artifact"):
-        getattr(box, {"set_tags": "tags", "log_text": "text", "log_inputs": "inputs",
-                      "log_artifact": "artifact"}[call])(*args)
+    elif call == "set_tags":
+        box.tags(clipped(args[0]))
+    elif call in ("log_text", "log_inputs", "log_artifact"):
+        getattr(box, {"log_text": "text", "log_inputs": "inputs", "log_artifact": "artifact"}[call])(*args)
     elif call == "end":
         if args[1]:
             box.tags({END_REASON_TAG: args[1]})
         box.end(args[0])
     elif call == "log_params":
-        log.warning("MLflow run %s: %d params not logged: its tracking process died first", run_id,
-                    len(args[0]))
+        values = clipped(args[0])
+        box.params(values, compared_params(values, resumed, args[1] if len(args) > 1 else None))
     elif call == "log_pytorch_model":
         Path(args[0]).unlink(missing_ok=True)
         log.warning("tracking.log_model: the MLflow PyTorch model was not logged (its tracking process died); "

@@ -61,6 +61,28 @@ def outage_reason(exc: BaseException) -> str:
     return f"{type(refused).__name__}: {refused}" if refused is not None else first_line(exc)
 
 
+class DamagedOutbox(ValueError):
+    """A line before an outbox's last is no complete write: the file was damaged, not cut by a kill."""
+
+
+MAX_PARAM_CHARS = 6000  # MLflow 3's param value limit (tags are cut to it too)
+
+
+def clipped(values: dict[str, object]) -> dict[str, str]:
+    """Param or tag values as MLflow takes them: text, cut to MAX_PARAM_CHARS."""
+    texts = {k: str(v) for k, v in values.items()}
+    return {k: t if len(t) <= MAX_PARAM_CHARS else t[: MAX_PARAM_CHARS - 3] + "..." for k, t in texts.items()}
+
+
+def compared_params(values: dict[str, str], resumed: bool,
+                    compared: dict[str, list[str]] | None) -> dict[str, list[str]] | None:
+    """What send_params compares: nothing on a new run; on a reopened run `compared`, by default
+    every key under dlpipe.resumed_changed_params."""
+    if not resumed:
+        return None
+    return {"dlpipe.resumed_changed_params": list(values)} if compared is None else compared
+
+
 def send_params(client, run_id: str, params: dict[str, str], compared: dict[str, list[str]] | None) -> None:
     """Log `params` (values already clipped to MLflow's limit), in MLflow-sized batches, each batch's
     keys removed from `params` once sent (a retry after a failure part-way sends only the rest).
@@ -237,7 +259,8 @@ class Outbox:
 
     @classmethod
     def load(cls, path: Path) -> "Outbox":
-        """The outbox a run left in `path` (a torn last line, from a kill mid-write, is skipped)."""
+        """The outbox a run left in `path`. A torn last line is what a kill mid-write leaves: skipped,
+        with a note. A bad line before it is damage to the file: DamagedOutbox."""
         lines = path.read_text().splitlines()
         if not lines:
             raise ValueError(f"{path} is empty")
@@ -246,7 +269,10 @@ class Outbox:
         for number, line in enumerate(lines[1:], start=2):
             try:
                 entries.append(json.loads(line))
-            except json.JSONDecodeError:
+            except json.JSONDecodeError as e:
+                if number < len(lines):  # sending around it would deliver the run's writes with a hole
+                    raise DamagedOutbox(f"{path}:{number} is damaged ({first_line(e)}): not a write dlpipe made, "
+                                        "and not the last line") from None
                 log.warning("%s:%d is incomplete (the process was killed while writing it): skipped", path, number)
         owner = {k: head[k] for k in ("host", "pid", "started") if k in head}
         return cls(head["uri"], head["run_id"], path, entries, owner, bool(head.get("password_removed")))

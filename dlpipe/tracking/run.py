@@ -32,21 +32,24 @@ from dlpipe.tracking.abandoned import END_REASON_TAG, Owner, close_previous, wri
 from dlpipe.tracking.client import client_for, experiment_id
 from dlpipe.tracking.dataset_input import log_inputs
 from dlpipe.tracking.metric_names import metric_rows
-from dlpipe.tracking.outbox import MAX_METRICS_PER_BATCH, Outbox, connect_error, outage_reason, send_params, unreachable
+from dlpipe.tracking.outbox import (
+    MAX_METRICS_PER_BATCH,
+    Outbox,
+    clipped,
+    compared_params,
+    connect_error,
+    outage_reason,
+    send_params,
+    unreachable,
+)
 from dlpipe.tracking.store_lock import absolute_uri
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 2.0  # a connect attempt while the server is away: bounds the stall of a flush
 MAX_PENDING_METRICS = 20000  # flush mid-epoch beyond this, so a very long epoch holds bounded memory
-MAX_PARAM_CHARS = 6000  # MLflow 3's param value limit
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
 PARENT_RUN_ENV = "DLPIPE_PARENT_RUN_ID"  # the sweep parent's run id, set by tracking.sweep for its jobs
-
-
-def _clip(value) -> str:
-    text = str(value)
-    return text if len(text) <= MAX_PARAM_CHARS else text[: MAX_PARAM_CHARS - 3] + "..."
 
 
 class MlflowRun:
@@ -175,11 +178,8 @@ class MlflowRun:
         `compared` (tag -> keys; default: every key under dlpipe.resumed_changed_params) tag those of its
         keys whose values differ from the run's first (host facts such as free memory say nothing).
         Kept, like every write, while the server is away; a reopened run is compared on delivery."""
-        values = {k: _clip(v) for k, v in params.items()}
-        if not self.resumed:
-            compared = None
-        elif compared is None:
-            compared = {"dlpipe.resumed_changed_params": list(values)}
+        values = clipped(params)
+        compared = compared_params(values, self.resumed, compared)
         pending = dict(values)  # what a failure part-way leaves unsent (send_params removes what it sent)
         self._write(lambda: send_params(self.client, self.run_id, pending, compared),
                     lambda: self.outbox.params(pending, compared))
@@ -187,7 +187,7 @@ class MlflowRun:
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        tags = {k: _clip(v) for k, v in tags.items()}
+        tags = clipped(tags)
         self._write(lambda: self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()]),
                     lambda: self.outbox.tags(tags))
 

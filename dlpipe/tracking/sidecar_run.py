@@ -207,7 +207,7 @@ class SidecarRun:
         if self._kept is None and self.run_id is not None and self._gone_seen.is_set():
             self._take_over()
         if self._kept is not None:
-            keep_call(self._kept, call, args, self.run_id)
+            keep_call(self._kept, call, args, self.resumed)
             return
         if check:
             self._raise_failures()
@@ -249,7 +249,7 @@ class SidecarRun:
         self._kept = continue_outbox(args.get("outbox_path"), uri, self.run_id)
         unanswered, self._unanswered = list(self._unanswered), deque()
         for call, call_args in unanswered:
-            keep_call(self._kept, call, call_args, self.run_id)
+            keep_call(self._kept, call, call_args, self.resumed)
         if args.get("marker_dir") is not None:
             write_marker(args["marker_dir"], self.run_id, uri)
         try:
