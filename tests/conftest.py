@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -13,6 +14,48 @@ TESTS_DIR = Path(__file__).resolve().parent
 # 127.0.0.1 only, so switch it off here and in every dlpipe subprocess.
 NO_PHONE_HOME = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
 os.environ.update(NO_PHONE_HOME)
+
+
+# -- Test tiers. `pytest -m "not integration"` is the fast tier: everything in this process. A test
+# that starts the product's programs (dlpipe, an mlflow server, torchrun) is in the integration tier:
+# marked by hand, or here when it takes one of the fixtures that start them. The fast tier refuses
+# such a start, so a test cannot slip into it by mistake.
+INTEGRATION_FIXTURES = {"dlpipe", "server", "mlflow_server"}
+PROGRAMS = {"dlpipe", "mlflow", "torchrun", "srun", "sbatch"}
+PROGRAM_ARGS = ("-m dlpipe", "torch.distributed.run", "-m mlflow")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
+def starts_a_program(args) -> bool:
+    """Whether a subprocess's argv starts dlpipe, an mlflow server or torchrun (also through `sh -c`)."""
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    words = [os.fsdecode(a) for a in argv]
+    joined = " ".join(words)
+    return any(Path(w.split()[0] if w.strip() else w).name in PROGRAMS for w in words) or any(
+        p in joined for p in PROGRAM_ARGS)
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_stays_in_process(request):
+    """Outside the integration tier, starting dlpipe, mlflow or torchrun fails the test, naming the fix."""
+    if request.node.get_closest_marker("integration") is not None:
+        yield
+        return
+    real_init = subprocess.Popen.__init__
+
+    def refuse(self, args, *rest, **kwargs):
+        if starts_a_program(args):
+            raise AssertionError(f"{request.node.nodeid} starts {args!r}: mark it @pytest.mark.integration "
+                                 "(the fast tier runs in-process)")
+        real_init(self, args, *rest, **kwargs)
+
+    with mock.patch.object(subprocess.Popen, "__init__", refuse):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -151,6 +151,7 @@ def resolved_workers_in(cgroup: Path, tmp_path: Path) -> int:
     return yaml.safe_load(r.stdout)["loader"]["num_workers"]
 
 
+@pytest.mark.integration
 def test_the_cli_resolves_workers_from_a_real_cgroup_quota(cgroups, tmp_path):
     """1 CPU of quota, on the group itself or on its parent only, gives no workers; the same command
     in a group without a quota gets the workers of its affinity."""

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # starts dlpipe, mlflow or torchrun: the slow tier
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_VISION = ["--set", "dataset.size=64", "--set", "dataset.image_size=32", "--set", "dataset.crop_size=28",
                "--set", "trainer.epochs=1", "--set", "model.width=8"]

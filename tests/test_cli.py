@@ -496,6 +496,7 @@ def signal_when_training(proc, mlflow_client, exp: str, sig, group: bool = False
             proc.wait()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sig, code, reason", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM"),
                                                (signal.SIGUSR1, 143, "SIGUSR1")])
 def test_signal_checkpoints_and_ends_run_killed(tmp_path, mlflow_store, mlflow_client, sig, code, reason):
@@ -516,6 +517,7 @@ def test_signal_checkpoints_and_ends_run_killed(tmp_path, mlflow_store, mlflow_c
 
 # Each start method once; SIGTERM and SIGUSR1 take one path in the workers (stop.STOP_SIGNALS), so
 # they are spread over the start methods rather than multiplied with them.
+@pytest.mark.integration
 @pytest.mark.parametrize("context, sig", [("fork", signal.SIGUSR1), ("spawn", signal.SIGTERM),
                                           ("forkserver", signal.SIGTERM)])
 def test_signal_to_the_whole_group_spares_the_workers(tmp_path, mlflow_store, mlflow_client, context, sig):

@@ -61,6 +61,7 @@ def test_two_ranks_train_the_same_model_as_one_process_with_the_global_batch(tmp
     assert two.stdout.count("bottleneck:") == 1
 
 
+@pytest.mark.integration
 def test_a_failing_rank_ends_the_job_with_its_error_instead_of_a_hang(tmp_path, mlflow_store, mlflow_client):
     started = time.monotonic()
     r = torchrun(
@@ -90,6 +91,7 @@ def rank_process(proc: subprocess.Popen, rank: int) -> psutil.Process | None:
     return None
 
 
+@pytest.mark.integration
 def test_a_stop_on_one_rank_stops_both_at_one_step_and_the_same_command_resumes(tmp_path, mlflow_store, mlflow_client):
     exp = "ddp-stop"
     args = ["--config-dir", str(TESTS_DIR / "conf"), "dataset=slow", "dataset.size=480", "dataset.delay_s=0.004",

@@ -118,6 +118,7 @@ def test_an_unknown_command_is_still_a_bad_override(dlpipe, args):
     assert r.stdout == ""
 
 
+@pytest.mark.integration
 def test_help_into_a_closed_pipe_reports_no_error(tmp_path):
     """`dlpipe --help | head`: the reader going away is not "cannot write the job's output folder"."""
     proc = subprocess.Popen([sys.executable, "-m", "dlpipe", "--help"], cwd=tmp_path, stdout=subprocess.PIPE,

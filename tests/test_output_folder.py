@@ -7,12 +7,15 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 from conftest import runs_of
 from test_tracking_faults import spawn
 from test_tracking_outage import wait_for
 
 from dlpipe.config.output_folder import LOCK_FILE, claim, override
 from dlpipe.tracking.abandoned import MARKER_FILE
+
+pytestmark = pytest.mark.integration  # real dlpipe jobs side by side
 
 SMALL = ["+recipe=tabular", "dataset.size=512", "trainer.epochs=1"]
 

@@ -21,6 +21,8 @@ from dlpipe.tracking.outbox import Outbox
 from dlpipe.tracking.sidecar import MODULE, STOPPED
 from dlpipe.tracking.sidecar_run import SidecarRun
 
+pytestmark = pytest.mark.integration  # starts dlpipe, mlflow or torchrun: the slow tier
+
 
 def opened(store: str, experiment: str, tmp_path, **extra) -> SidecarRun:
     run = SidecarRun.start(store, 10.0, 0)

@@ -11,6 +11,8 @@ import psutil
 import pytest
 from conftest import NO_PHONE_HOME, TESTS_DIR, epochs_logged, runs_of
 
+pytestmark = pytest.mark.integration  # starts dlpipe, mlflow or torchrun: the slow tier
+
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
 SLOW = ["--config-dir", str(TESTS_DIR / "conf"), "dataset=slow", "dataset.size=480", "dataset.delay_s=0.004",

@@ -456,6 +456,7 @@ def memory_cgroup(limit_bytes: int):
         group.rmdir()
 
 
+@pytest.mark.integration
 def test_a_job_under_a_tight_memory_limit_fetches_with_threads(tmp_path):
     """A real job in a memory cgroup of 1000 MB (a container's --memory, Slurm's --mem): 4 worker
     processes, each a fork of a process of ~230 MB of its own (USS), do not fit in 80% of the ~770 MB

@@ -28,6 +28,8 @@ from dlpipe.tracking.sidecar import MODULE as SIDECAR_MODULE
 from dlpipe.tracking.sidecar import ORPHANED
 from dlpipe.tracking.store_lock import store_opening
 
+pytestmark = pytest.mark.integration  # starts dlpipe, mlflow or torchrun: the slow tier
+
 WARNING = "tracking server unreachable"
 
 

@@ -13,6 +13,8 @@ from mlflow_server import free_port, start_server, stop_tree
 
 from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, connect_error, unreachable
 
+pytestmark = pytest.mark.integration  # starts dlpipe, mlflow or torchrun: the slow tier
+
 WARNING = "tracking server unreachable"
 
 
