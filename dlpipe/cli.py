@@ -210,8 +210,35 @@ def refuse_a_sweep_into_one_run(argv: list[str]) -> None:
             sys.exit(2)
 
 
+def restart_under_torchrun(argv: list[str]) -> None:
+    """`trainer.devices=N` (N > 1) outside torchrun: this process becomes torchrun with N ranks."""
+    command = torchrun_command(argv[1:], os.environ)
+    if command is None:
+        return
+    n = devices_requested(argv[1:])
+    if set(MULTIRUN_FLAGS) & set(argv[1:]):
+        print(f"dlpipe: error: trainer.devices={n} with --multirun: a sweep's jobs cannot "
+              "each start torchrun here; use hydra/launcher=slurm_node (a task per GPU) or one torchrun per job",
+              file=sys.stderr)
+        sys.exit(2)
+    # Restarted as torchrun's ranks. Restarts share no TCP store (they were unreliable with it).
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    print(f"dlpipe: trainer.devices={n}: running {n} ranks as "
+          f"torchrun --standalone --nproc_per_node={n} -m dlpipe ...",
+          file=sys.stderr, flush=True)
+    os.execve(sys.executable, command, env)
+
+
+def import_from_here() -> None:
+    """Modules in the current folder import as they do under `python -m dlpipe` (the `dlpipe` script's
+    own folder is on sys.path instead): `dataset._target_=mypkg.MyData` with ./mypkg/, no PYTHONPATH."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def main() -> None:
     """Console-script entry point (`dlpipe ...`, `python -m dlpipe ...`)."""
+    import_from_here()
     if "--version" in sys.argv[1:]:  # before Hydra, whose own --version names Hydra's
         print(version_line())
         sys.exit(0)
@@ -229,20 +256,7 @@ def main() -> None:
         sys.argv = with_overrides([sys.argv[0], *args], [f"task={task}", *help_page(task, args)])
     sys.argv = multirun_first(sys.argv)
     refuse_a_sweep_into_one_run(sys.argv)
-    command = torchrun_command(sys.argv[1:], os.environ)
-    if command is not None:
-        n = devices_requested(sys.argv[1:])
-        if {"--multirun", "-m"} & set(sys.argv[1:]):
-            print(f"dlpipe: error: trainer.devices={n} with --multirun: a sweep's jobs cannot "
-                  "each start torchrun here; use hydra/launcher=slurm_node (a task per GPU) or one torchrun per job",
-                  file=sys.stderr)
-            sys.exit(2)
-        # Restarted as torchrun's ranks. Restarts share no TCP store (they were unreliable with it).
-        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        print(f"dlpipe: trainer.devices={n}: running {n} ranks as "
-              f"torchrun --standalone --nproc_per_node={n} -m dlpipe ...",
-              file=sys.stderr, flush=True)
-        os.execve(sys.executable, command, env)
+    restart_under_torchrun(sys.argv)
     if ranks_from_env().rank > 0 and "SUBMITIT_EXECUTOR" not in os.environ:
         # A torchrun rank other than 0 writes nothing of its own: no run directory, Hydra record or
         # log file (its output directory comes from rank 0; see tasks/train.py). Last, so they win.
