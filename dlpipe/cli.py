@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dlpipe.config.composition_errors import one_line
 from dlpipe.config.group_options import refuse_paths_as_options
+from dlpipe.config.interpolations import unresolved
 from dlpipe.config.output_folder import LOCK_FILE
 from dlpipe.config.paths import conf_dir
 from dlpipe.config.resolvers import register_resolvers
@@ -42,9 +43,7 @@ def resolve(cfg: DictConfig) -> tuple[dict, dict]:
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "config"
-        reason = str(e).splitlines()[0]
-        raise ConfigError([f"{key}: {reason}"]) from None
+        raise ConfigError([unresolved(cfg, e)]) from None
     return raw, resolved
 
 

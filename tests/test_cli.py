@@ -183,7 +183,8 @@ BAD_INPUT_CLI = [
      "loader.num_workerz=2: no key 'num_workerz' in loader; did you mean loader.num_workers?"),
     (["loader.batch_size=["], "loader.batch_size=[: not a valid override"),  # the override grammar
     (["+recipe=nope"], f"recipe=nope: no such recipe option; available: {SHIPPED_RECIPES}"),
-    (["model.width=${oc.env:DLPIPE_TEST_UNSET}"], "model.width: KeyError raised while resolving interpolation"),
+    (["model.width=${oc.env:DLPIPE_TEST_UNSET}"],
+     "model.width=${oc.env:DLPIPE_TEST_UNSET}: environment variable DLPIPE_TEST_UNSET is not set"),
     (["loader.num_workers=-1"], "loader.num_workers=-1: must be >= 0"),  # validation
     (["dataset.crop_size=99"], "crop_size"),  # the dataset's own check, when it is built
     (["trainer.device=mps"], "trainer.device=mps: this torch build or machine has no MPS device"),

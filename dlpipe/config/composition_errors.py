@@ -8,8 +8,15 @@ import difflib
 
 import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
+from dlpipe.config.interpolations import unresolved_in_print
 from dlpipe.config.store import UNREADABLE, unreadable_recipe
 from dlpipe.config.yaml_errors import yaml_problem
 from dlpipe.schema import allowed
@@ -58,6 +65,8 @@ def one_line(exc: BaseException, overrides: list[str]) -> str | None:
                 "spaces or brackets: 'key=\"a b\"'")
     if isinstance(exc, ValueError) and str(exc).startswith("Only one of --run, --multirun"):
         return f"{str(exc).splitlines()[0]}: --cfg and --info print the config of a single run; drop --multirun"
+    if isinstance(exc, InterpolationResolutionError):  # `--cfg job --resolve`: Hydra resolved it
+        return unresolved_in_print(exc, overrides)
     if not isinstance(exc, ConfigCompositionException):
         return None
     cause = exc.__cause__

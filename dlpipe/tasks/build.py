@@ -7,9 +7,12 @@ naming the key, and nothing is left half-made.
 """
 
 import copy
+import logging
 
 from dlpipe.errors import ConfigError, DlpipeError
 from dlpipe.schema import DlpipeConfig
+
+log = logging.getLogger("dlpipe")
 
 
 def instantiate_group(group: str, node: dict, **extra):
@@ -80,17 +83,50 @@ def check_dataset(target: str, dataset) -> None:
 
 
 def build_model(cfg: DlpipeConfig, dataset):
-    """Model and optimizer (the model's num_classes may come from the dataset)."""
+    """Model and optimizer (the model's num_classes and in_features may come from the data)."""
     model_cfg = dict(cfg.model)
     if model_cfg.get("num_classes", 0) is None:
         if not hasattr(dataset, "num_classes"):
             raise ConfigError([f"model.num_classes=null: {type(dataset).__name__} has no num_classes; "
                                "set model.num_classes"])
         model_cfg["num_classes"] = int(dataset.num_classes)
+        log.info("model.num_classes = %d (the dataset's num_classes)", model_cfg["num_classes"])
+    if model_cfg.get("in_features", 0) is None:
+        model_cfg["in_features"], source = in_features_of(dataset, cfg.batch.input)
+        log.info("model.in_features = %d (%s)", model_cfg["in_features"], source)
     model = instantiate_group("model", model_cfg)
     # The model's parameters are the optimizer's first argument, `params`, passed here.
     optimizer = instantiate_group("optim", cfg.optim, params=model.parameters())
     return model, optimizer
+
+
+def in_features_of(dataset, input_field: str | None) -> tuple[int, str]:
+    """(the model's in_features, where it came from): the dataset's num_features, else the last
+    dimension of item 0's input, as the objective's batch layout reads it (the first part of a
+    tuple, or the dict field batch.input names)."""
+    import torch
+
+    from dlpipe.loader.faults import NamedErrors
+    from dlpipe.training import rng
+    from dlpipe.training.objective import Objective
+
+    if hasattr(dataset, "num_features"):
+        return int(dataset.num_features), "the dataset's num_features"
+    fix = "set model.in_features to the length of one input vector (or give the dataset a num_features attribute)"
+    if len(dataset) == 0:
+        raise ConfigError([f"model.in_features=null: {type(dataset).__name__} has no num_features and no items; {fix}"])
+    state = rng.capture()
+    try:
+        item = NamedErrors(dataset)[0]
+    finally:
+        rng.restore(state)  # an augmenting dataset draws here: the run's streams stay as they were
+    args, _, _ = Objective(input_field=input_field).split(item)
+    value = args[0] if args else item
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        what = "a scalar tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+        raise ConfigError([f"model.in_features=null: {type(dataset).__name__} has no num_features and item 0's "
+                           f"input is {what}, not a feature tensor; {fix}"])
+    return int(value.shape[-1]), f"the last dimension of dataset item 0's input, shape {list(value.shape)}"
 
 
 def build_data_and_model(cfg: DlpipeConfig):
