@@ -163,3 +163,37 @@ def test_the_printed_config_names_the_override_too(monkeypatch):
         with pytest.raises(Exception) as caught:
             OmegaConf.resolve(cfg)
         assert one_line(caught.value, argv).startswith(expected)
+
+
+RECIPE_BODY = "defaults:\n  - override /model: mlp\n  - override /dataset: tabular\ntrainer:\n  epochs: 3\n"
+
+
+def composed_with_config_dir(folder, name: str):
+    """Compose `+recipe=NAME` with `folder` searched as `--config-dir folder` adds it: (config, None),
+    or (None, the command's line for the failure)."""
+    argv = ["--config-dir", str(folder), f"+recipe={name}"]
+    try:
+        return make(argv[2], f"hydra.searchpath=[file://{folder}]"), None
+    except Exception as e:  # what the command catches and prints as one line
+        return None, one_line(e, argv)
+
+
+@pytest.mark.parametrize("header", ["", "# dlpipe +recipe=mine\n# @package _global_\n", "# @package _group_\n"],
+                         ids=["no package line", "package line after a comment", "another package"])
+def test_a_config_dir_recipe_without_its_package_line_names_the_file_and_the_fix(tmp_path, header):
+    (tmp_path / "recipe").mkdir()
+    path = tmp_path / "recipe" / "mine.yaml"
+    path.write_text(header + RECIPE_BODY)
+    cfg, line = composed_with_config_dir(tmp_path, "mine")
+    assert cfg is None and line == (f"recipe {path}: does not start with `# @package _global_`, so Hydra puts its "
+                                    "keys under recipe.; add `# @package _global_` as line 1")
+
+
+def test_a_config_dir_recipe_with_its_package_line_composes_and_its_other_mistakes_keep_their_line(tmp_path):
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\n# dlpipe +recipe=mine\n" + RECIPE_BODY)
+    cfg, line = composed_with_config_dir(tmp_path, "mine")
+    assert line is None and cfg.trainer.epochs == 3 and cfg.model._target_ == "dlpipe.models.mlp.MLP"
+    (tmp_path / "recipe" / "typo.yaml").write_text("# @package _global_\ntrainer:\n  epohcs: 3\n")
+    _, line = composed_with_config_dir(tmp_path, "typo")
+    assert "'epohcs' not in 'TrainerConfig'" in line and "@package" not in line  # Hydra's own words, unchanged

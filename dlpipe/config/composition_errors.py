@@ -5,6 +5,7 @@ CLI asks Hydra to raise instead (HYDRA_FULL_ERROR) and prints what `one_line` ma
 """
 
 import difflib
+import re
 
 import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
@@ -17,7 +18,7 @@ from omegaconf.errors import (
 )
 
 from dlpipe.config.interpolations import unresolved_in_print
-from dlpipe.config.store import UNREADABLE, unreadable_recipe
+from dlpipe.config.store import UNREADABLE, misplaced_recipe, unreadable_recipe
 from dlpipe.config.yaml_errors import yaml_problem
 from dlpipe.schema import allowed
 
@@ -48,6 +49,19 @@ def _unknown_key(error: OmegaConfBaseException, overrides: list[str]) -> str:
     return f"{_override_for(key, overrides)}: no key {name!r} in {where}; {hint}allowed: {', '.join(allowed)}"
 
 
+_RECIPE = re.compile(r"In 'recipe/([^']+)'")
+
+
+def _config_dirs(argv: list[str]) -> list[str]:
+    """The folders `--config-dir DIR` (`-cd DIR`, `--config-dir=DIR`) adds to Hydra's search path."""
+    dirs = []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--config-dir", "-cd"):
+            dirs.append(value if eq else argv[i + 1] if i + 1 < len(argv) else "")
+    return [d for d in dirs if d]
+
+
 def one_line(exc: BaseException, overrides: list[str]) -> str | None:
     """A one-line message for a Hydra composition error; None for anything else."""
     if isinstance(exc, yaml.YAMLError):  # a file under --config-dir (or --config-name's) that does not parse
@@ -69,6 +83,10 @@ def one_line(exc: BaseException, overrides: list[str]) -> str | None:
         return unresolved_in_print(exc, overrides)
     if not isinstance(exc, ConfigCompositionException):
         return None
+    recipe = _RECIPE.match(str(exc))
+    misplaced = misplaced_recipe(recipe.group(1), _config_dirs(overrides)) if recipe else None
+    if misplaced:
+        return misplaced
     cause = exc.__cause__
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         return _unknown_key(cause, overrides)

@@ -73,6 +73,32 @@ def unreadable_recipe(name: str) -> str | None:
     return problem if isinstance(problem, str) else None
 
 
+PACKAGE_LINE = "# @package _global_"
+
+
+def misplaced_recipe(name: str, config_dirs: list[str]) -> str | None:
+    """Why the recipe NAME under a `--config-dir` folder (DIR/recipe/NAME.yaml) failed to compose,
+    when it is its package: Hydra reads `# @package` only in the comment lines that open a file, and
+    without `_global_` there the recipe's keys and group overrides land under `recipe.`, which the
+    schema refuses. (Recipes on DLPIPE_RECIPE_PATH are stored at `_global_` whatever they say.)"""
+    from hydra.plugins.config_source import ConfigSource
+
+    for folder in config_dirs:
+        path = Path(folder).expanduser() / "recipe" / f"{name}.yaml"
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        try:
+            package = ConfigSource._get_header_dict(text).get("package")  # Hydra's own reading of the header
+        except ValueError:
+            package = None
+        if package != "_global_":
+            return (f"recipe {path}: does not start with `{PACKAGE_LINE}`, so Hydra puts its keys under recipe.; "
+                    f"add `{PACKAGE_LINE}` as line 1")
+    return None
+
+
 def register_schemas() -> None:
     """Store the schema in Hydra's ConfigStore (idempotent: the store overwrites by name)."""
     from hydra.core.config_store import ConfigStore
