@@ -203,6 +203,9 @@ def test_compiled_training_runs_and_matches_the_tags(dlpipe, mlflow_store, mlflo
     [run] = runs_of(mlflow_client, "compiled")
     assert run.info.status == "FINISHED" and run.data.params["trainer.compile"] == "True"
     assert run.data.metrics["train/loss"] > 0
+    # the console says why the first step is slow, before it starts, and what it cost
+    compiling = r.stdout.index("compiling the model with torch.compile (first steps are slow)")
+    assert compiling < r.stdout.index("first compiled step (forward and backward) took ")
 
 
 def test_eval_of_a_whole_test_set_scores_it_without_augmentation(tmp_path, dlpipe):

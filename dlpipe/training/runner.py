@@ -22,6 +22,7 @@ from dlpipe.training.accumulation import Window, epoch_batches
 from dlpipe.training.batches import non_blocking_copies, to_device, workers_died
 from dlpipe.training.callbacks import Callbacks
 from dlpipe.training.evaluate import evaluate
+from dlpipe.training.first_step import FirstStep
 from dlpipe.training.net import autocast_for, training_net
 from dlpipe.training.nonfinite import NonFiniteGuard
 from dlpipe.training.objective import Objective
@@ -70,6 +71,7 @@ class Trainer:
         # `net` runs the training forward pass; `model` stays the bare module, so checkpoints
         # have the same keys with or without DDP.
         self.net = training_net(self.model, self.device, peers is not None, settings.compile)
+        self.first_step = FirstStep(settings.compile)
         self.optimizer = optimizer
         self.schedule = schedule
         self.metrics = metrics or NoMetrics()
@@ -181,10 +183,12 @@ class Trainer:
             steps_now = window.full or last
             # DDP averages gradients over ranks in backward; on the micro-batches that do not end
             # an optimizer step there is nothing to average yet, so skip that communication.
+            self.first_step.before(self.objective, batch)  # once: compiling? unshifted labels?
             with nullcontext() if steps_now or self.net is self.model else self.net.no_sync():
                 with self._autocast():
                     loss = self.objective.loss(*self.objective.forward(self.net, batch))
                 self.scaler.scale(loss * scale).backward()
+            self.first_step.after()
             self.guard.add(loss.detach(), n, sums)
             if steps_now:
                 self._optimizer_step(window)
