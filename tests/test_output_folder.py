@@ -111,3 +111,36 @@ def test_a_folder_in_use_refuses_a_second_job_and_a_kill_frees_it(tmp_path, mlfl
     assert not (folder / LOCK_FILE).exists()
     statuses = sorted(r.info.status for r in runs_of(mlflow_client, experiment))
     assert statuses == ["FINISHED", "KILLED"]  # the killed job's run ended by the next job there
+
+
+FORKING_HOLDER = """
+import os, sys, time
+from pathlib import Path
+from dlpipe.config.output_folder import hold
+hold(Path(sys.argv[1]), "hydra.run.dir")
+child = os.fork()  # as a DataLoader worker or a user's multiprocessing Manager is made
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_jobs_forked_children_do_not_keep_its_folder(tmp_path):
+    """The job is SIGKILLed while a child it forked lives on: the folder is free at once."""
+    import subprocess
+    import sys
+
+    from dlpipe.config.output_folder import hold, release
+
+    holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+        fd = hold(tmp_path, "hydra.run.dir")  # FolderInUse if the child still held it
+        assert fd is not None
+        release(tmp_path, fd)
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -20,6 +20,7 @@ here, with the same line and exit status as any other bad input.
 
 import errno
 import fcntl
+import functools
 import json
 import os
 import re
@@ -80,7 +81,33 @@ def hold(folder: Path, key: str) -> int | None:
     record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
     os.ftruncate(fd, 0)
     os.write(fd, (json.dumps(record) + "\n").encode())
+    _not_in_forks(fd)
     return fd
+
+
+_HELD_FDS: set[int] = set()  # this process's folder locks, which its forked children must not keep
+
+
+def _not_in_forks(fd: int) -> None:
+    """A forked child (a DataLoader worker, a user's multiprocessing Manager) shares the lock's open
+    file: were the job killed outright, its orphans would hold the folder until they exit. Each
+    child closes its copy at once, which leaves the parent's lock as it is."""
+    _register_fork_hook()
+    _HELD_FDS.add(fd)
+
+
+@functools.cache
+def _register_fork_hook() -> None:
+    os.register_at_fork(after_in_child=_close_held)  # once per process: _HELD_FDS says what to close
+
+
+def _close_held() -> None:
+    for fd in _HELD_FDS:
+        try:
+            os.close(fd)
+        except OSError:  # closed already in this child
+            continue
+    _HELD_FDS.clear()
 
 
 def release(folder: Path, fd: int | None) -> None:
@@ -88,6 +115,7 @@ def release(folder: Path, fd: int | None) -> None:
     meanwhile sees it is gone and retries on a new one, so it cannot hold a lock nobody checks)."""
     if fd is None:
         return
+    _HELD_FDS.discard(fd)
     try:
         if _same_file(fd, folder / LOCK_FILE):
             (folder / LOCK_FILE).unlink()
