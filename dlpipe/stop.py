@@ -218,6 +218,15 @@ def _on_its_way(exc: BaseException | None) -> bool:
     return False
 
 
+def hold_or_raise(name: str) -> None:
+    """For a stop handler of another's (the sweep's): inside a tracking call the stop is held for it
+    (Unbroken raises it once the call is done), else raised here; a second one is raised at once."""
+    if _held is not None and not _held:
+        _held.append(name)
+        return
+    raise stop_error(name)
+
+
 def stop_error(name: str) -> BaseException:
     """What a stop signal raises: KeyboardInterrupt for SIGINT (the CLI's exit 130), else Terminated (143)."""
     return KeyboardInterrupt() if name == "SIGINT" else Terminated(name)
@@ -231,6 +240,9 @@ _held: list[str] | None = None
 @contextmanager
 def _holding():
     global _held
+    if threading.current_thread() is not threading.main_thread():
+        yield []  # signals reach the main thread only: held for another thread, they would be lost there
+        return
     outer, _held = _held, []
     try:
         yield _held
@@ -270,8 +282,8 @@ class Unbroken:
     def __exit__(self, exc_type, exc, tb) -> bool:
         with _holding() as held:
             swallowed = self.inner.__exit__(exc_type, exc, tb)
-        if held and exc_type is None:
-            raise stop_error(held[0])
+        if held and not _on_its_way(exc):  # a stop held while the run ended outranks the block's error
+            raise stop_error(held[0]) from exc
         return swallowed
 
 
@@ -288,7 +300,12 @@ class HeldCalls:
 
         def held(*args, **kwargs):
             with _holding() as signals:
-                result = value(*args, **kwargs)
+                try:
+                    result = value(*args, **kwargs)
+                except BaseException as error:
+                    if signals:  # the stop still ends the job, whatever the call raised
+                        raise stop_error(signals[0]) from error
+                    raise
             if signals:
                 raise stop_error(signals[0])
             return result

@@ -19,7 +19,7 @@ from test_disk_faults import fill, tmpfs  # noqa: F401 (a fixture)
 from test_tracking_faults import _dead, server  # noqa: F401 (a fixture)
 from test_tracking_outage import wait_for
 
-from dlpipe.stop import Terminated, Unbroken, restore_handlers, stop_at_once
+from dlpipe.stop import Terminated, Unbroken, hold_or_raise, restore_handlers, stop_at_once
 from dlpipe.tasks.tune import write_whole
 
 CLUSTERS = ["--config-dir", str(TESTS_DIR / "conf"), "dataset=signals_itself", "model=mlp", "model.in_features=4",
@@ -282,8 +282,10 @@ class Recorded:
         return self
 
     def write(self, value):
-        if self.signal_in == "write":
+        if self.signal_in in ("write", "failing write"):
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.signal_in == "failing write":
+            raise ValueError("the store refused it")
         self.log.append(f"wrote {value}")
         return value
 
@@ -310,6 +312,32 @@ def test_a_signal_inside_a_tracking_call_is_raised_once_the_call_is_done(at_once
     assert log == expected
 
 
+def test_a_stop_held_during_a_call_that_fails_still_stops_the_job(at_once):
+    log = []
+    with pytest.raises(Terminated, match="SIGTERM") as stopped:
+        with Unbroken(lambda: Recorded(log, "failing write")) as run:
+            run.write(1)
+    assert isinstance(stopped.value.__cause__, ValueError)
+    assert log == ["made", "ended Terminated"]
+
+
+def test_a_stop_handler_of_the_sweeps_holds_the_signal_inside_a_tracking_call():
+    """A sweep installs its own handler first (so stop_at_once leaves SIGTERM to it): it holds the
+    stop inside a tracking call through stop.hold_or_raise, like stop_at_once's own."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: hold_or_raise("SIGTERM"))
+    stop = stop_at_once()
+    log = []
+    try:
+        with pytest.raises(Terminated, match="SIGTERM"):
+            with Unbroken(lambda: Recorded(log, "write")) as run:
+                run.write(1)
+                log.append("went on")
+    finally:
+        restore_handlers(stop)
+        signal.signal(signal.SIGTERM, previous)
+    assert log == ["made", "wrote 1", "ended Terminated"]
+
+
 class SignalsWhenCollected:
     def __del__(self):
         os.kill(os.getpid(), signal.SIGTERM)  # the handler's exception is ignored here by Python
@@ -322,4 +350,5 @@ def test_a_stop_swallowed_where_python_ignores_exceptions_is_raised_again(at_onc
     with pytest.raises(Terminated, match="SIGTERM"):
         while time.monotonic() < deadline:
             time.sleep(0.05)
+    restore_handlers(at_once)  # here, not in a teardown that may lag past the next redelivery
     assert capfd.readouterr().err == ""  # no "Exception ignored" traceback for it

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dlpipe.disk import unwritable
 from dlpipe.redact import redact_overrides, without_password
-from dlpipe.stop import STOP_SIGNALS, Terminated
+from dlpipe.stop import STOP_SIGNALS, hold_or_raise
 from dlpipe.tracking.abandoned import END_REASON_TAG, FOLDER_TAGS, Owner, close_previous, read_marker, write_marker
 from dlpipe.tracking.client import client_for, experiment_id
 from dlpipe.tracking.context_tags import context_tags
@@ -152,9 +152,7 @@ class SweepTracking(Callback):
 
     def _on_signal(self, signum, frame) -> None:
         self.interrupted = signal.Signals(signum).name
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise Terminated(self.interrupted)
+        hold_or_raise(self.interrupted)  # not inside a job's tracking call: it would leave that run RUNNING
 
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
         # Runs in the job's process (this one for the basic launcher, a submitit worker otherwise),
