@@ -6,6 +6,8 @@ nothing behind: no output folder, no MLflow store, no run."""
 import pytest
 import yaml
 
+from dlpipe.errors import ConfigError
+
 BROKEN = "trainer:\n  epochs: [1,\n"  # a flow list left open: PyYAML stops at the end of the file
 BROKEN_LINE = (":3: expected the node content, but found '<stream end>' (while parsing a flow node); "
                "fix the YAML there (indentation, a missing ':' or a bracket or quote left open)")
@@ -162,3 +164,13 @@ def test_the_sweep_check_expands_jobs_as_hydras_basic_sweeper_does():
     assert job_overrides(cfg) == [
         ["optim.lr=0.1", "model=mlp", "trainer.epochs=1"], ["optim.lr=0.1", "model=cnn", "trainer.epochs=1"],
         ["optim.lr=0.2", "model=mlp", "trainer.epochs=1"], ["optim.lr=0.2", "model=cnn", "trainer.epochs=1"]]
+
+
+def test_a_nested_group_option_stays_inside_its_group_and_is_allowed(tmp_path):
+    from dlpipe.config.group_options import refuse_paths_as_options
+
+    (tmp_path / "model" / "vision").mkdir(parents=True)
+    (tmp_path / "model" / "vision" / "resnet.yaml").write_text("_target_: torch.nn.Identity\n")
+    refuse_paths_as_options(["--config-dir", str(tmp_path), "model=vision/resnet"])  # Hydra's own feature
+    with pytest.raises(ConfigError, match="a model option is a name, not a path"):
+        refuse_paths_as_options(["--config-dir", str(tmp_path), "model=vision/../../x"])

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from test_tracking_faults import spawn
 from test_tracking_outage import wait_for
 
 from dlpipe.errors import DlpipeError
+from dlpipe.tracking import store_lock
 from dlpipe.tracking.client import client_for
 from dlpipe.tracking.store_lock import NEW_INFIX, store_opening
 
@@ -122,6 +124,12 @@ def test_a_half_made_store_is_named_in_one_line(tmp_path, dlpipe, leftover_table
                                 f"while it created the store, or another tool was); move it aside (mv {db} "
                                 f"{db}.broken) and run again to start a new store"], r.stderr
     assert "Traceback" not in r.stderr and "epoch 1:" not in r.stderr + r.stdout
+    (tmp_path / "job").mkdir()  # a folder whose record names the half-made store: sync says so, in one line
+    (tmp_path / "job" / "mlflow_run.json").write_text(
+        f'{{"run_id": "0123abcd", "uri": "{uri}", "host": "{os.uname().nodename}", "pid": 1, "started": 0}}\n')
+    r = dlpipe("sync", "job")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"store {uri}: tracking.uri={uri}: {db} is half-made" in r.stderr
     db.rename(db.with_name("mlflow.db.broken"))
     r = dlpipe(*FAST, "trainer.epochs=1", f"tracking.uri={uri}", "tracking.experiment=half")
     assert r.returncode == 0, r.stderr
@@ -151,20 +159,28 @@ def holder(tmp_path):
         stop(proc)
 
 
-def test_a_held_lock_is_said_once_with_its_holder_and_given_up_in_one_line(holder, tmp_path, caplog):
+def held_for_s(lock) -> float:
+    """How long the holder has held `lock`, by its own record (pid host time)."""
+    return time.time() - float(lock.read_text().split()[2])
+
+
+def test_a_held_lock_is_said_once_with_its_holder_and_given_up_in_one_line(holder, tmp_path, caplog, monkeypatch):
     """Waiting on the lock says once which file and which process hold it, and gives up after the
-    bound; a second wait gives up at once, since the holder's record says how long it has held it."""
+    bound; a second wait gives up at once, since the holder's record says how long it has held it.
+    The bounds follow the holder's own record, so a slow start of the test changes nothing."""
     proc, uri = holder
     lock = tmp_path / "mlflow.db.lock"
     caplog.set_level(logging.INFO, logger="dlpipe.tracking.store_lock")
-    with pytest.raises(DlpipeError) as waited, store_opening(uri, give_up_s=7):
+    monkeypatch.setattr(store_lock, "LOCK_NOTE_AFTER_S", 0.5)
+    with pytest.raises(DlpipeError) as waited, store_opening(uri, give_up_s=held_for_s(lock) + 4):
         pytest.fail("the lock was taken while another process held it")
     [said] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert said.startswith(f"waiting for {lock}, held by pid {proc.pid} (another job opening the store")
     assert str(waited.value).startswith(f"tracking.uri={uri}: {lock} has been held for ")
     assert f"s by pid {proc.pid} (another job opening the store); stop that process if it hangs" in str(waited.value)
     caplog.clear()
-    with pytest.raises(DlpipeError), store_opening(uri, give_up_s=7):
+    monkeypatch.setattr(store_lock, "LOCK_NOTE_AFTER_S", 5.0)
+    with pytest.raises(DlpipeError), store_opening(uri, give_up_s=held_for_s(lock) - 0.5):
         pytest.fail("the lock was taken while another process held it")
     assert [r for r in caplog.records if r.levelno == logging.WARNING] == []  # gave up before the note
     stop(proc)  # SIGKILL: its record stays in the file
@@ -173,7 +189,7 @@ def test_a_held_lock_is_said_once_with_its_holder_and_given_up_in_one_line(holde
     assert lock.read_text() == ""  # cleared when let go
 
 
-def test_a_holder_that_records_nothing_is_not_taken_for_a_dead_one(tmp_path, caplog):
+def test_a_holder_that_records_nothing_is_not_taken_for_a_dead_one(tmp_path, caplog, monkeypatch):
     """A dlpipe holder SIGKILLed leaves its record; the lock then held by a process that writes none
     (flock(1), an older dlpipe) is said to be another process's, never the dead one's."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -192,6 +208,7 @@ def test_a_holder_that_records_nothing_is_not_taken_for_a_dead_one(tmp_path, cap
     caplog.set_level(logging.WARNING, logger="dlpipe.tracking.store_lock")
     try:
         wait_for(lambda: "held" in log.read_text() or bare.poll() is not None, bare, "the lock")
+        monkeypatch.setattr(store_lock, "LOCK_NOTE_AFTER_S", 0.5)  # said before the bound, however slow the poll
         with pytest.raises(DlpipeError) as waited, store_opening(uri, give_up_s=6):
             pytest.fail("the lock was taken while another process held it")
     finally:

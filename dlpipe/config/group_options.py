@@ -1,7 +1,8 @@
 """A group option is a name, never a path: `dataset=../../x` (or `dataset=/abs/x`) would make Hydra
 load `dataset/../../x.yaml`, any YAML file on disk, and build the `_target_` it names.
 
-Checked on the command line before Hydra composes anything; your own options go in
+A nested option (`model=vision/resnet`, DIR/model/vision/resnet.yaml) stays inside its group and is
+allowed. Checked on the command line before Hydra composes anything; your own options go in
 `--config-dir DIR` as DIR/GROUP/NAME.yaml (recipes as DIR/recipe/NAME.yaml or on $DLPIPE_RECIPE_PATH).
 """
 
@@ -11,6 +12,12 @@ from dlpipe.config.paths import conf_dir
 from dlpipe.errors import ConfigError
 
 CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
+
+
+def _leaves_the_group(option: str) -> bool:
+    """Whether Hydra would read the option's file outside GROUP/ (`../x`, `/abs/x`); a nested option
+    (`vision/resnet`: GROUP/vision/resnet.yaml) stays inside and is Hydra's own feature."""
+    return option.startswith(("/", "~")) or "\\" in option or ".." in option.split("/")
 
 
 def _config_dir(args: list[str]) -> Path | None:
@@ -65,7 +72,7 @@ def refuse_paths_as_options(args: list[str]) -> None:
         return
     for override in overrides:
         group = override.key_or_group
-        bad = [o for o in _chosen(override) if "/" in o or "\\" in o or ".." in o]
+        bad = [o for o in _chosen(override) if _leaves_the_group(o)]
         if group in groups and bad:
             raise ConfigError([f"{override.input_line}: a {group} option is a name, not a path ({bad[0]}); allowed: "
                                f"{', '.join(_options(group, roots))}; for a file of your own use --config-dir DIR "

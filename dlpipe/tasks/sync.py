@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from dlpipe.errors import first_line
+from dlpipe.errors import DlpipeError, first_line
 from dlpipe.redact import redact_logging, redact_text, without_password
 from dlpipe.tracking.abandoned import MARKER_FILE, Owner, end_if_abandoned, load_marker, read_marker, runs_of_folder
 from dlpipe.tracking.outbox import OUTBOX_FILE, OUTBOX_GLOB, DamagedOutbox, Outbox, connect_error, unreachable
@@ -122,7 +122,10 @@ class Stores:
         if why:
             raise StoreAway(f"tracking server {shown} unreachable ({why})" if db is None else f"store {shown} {why}")
         if target not in self.clients:
-            self.clients[target] = client_for(target, self.timeout, 2)
+            try:
+                self.clients[target] = client_for(target, self.timeout, 2)
+            except DlpipeError as e:  # a half-made store, a store lock given up: this box only
+                raise StoreAway(f"store {shown}: {first_line(e)}") from None
         return self.clients[target], shown
 
 
@@ -203,6 +206,8 @@ def _find_by_tags(folder: Path, unreadable: str, stores: Stores) -> bool:
     """A record that cannot be read: look for the folder's runs by their tags in every store this
     sync knows of (`--uri`, the other records' and outboxes', MLFLOW_TRACKING_URI, ./mlflow.db), and
     end the RUNNING ones whose process (the run's own dlpipe.owner tag) is gone. One line either way."""
+    from mlflow.exceptions import MlflowException
+
     candidates = [(stores.option, False)] if stores.option else []
     candidates += [*stores.seen, (os.environ.get("MLFLOW_TRACKING_URI", ""), False)]
     candidates += [(f"sqlite:///{Path('mlflow.db').absolute()}", False)] if Path("mlflow.db").exists() else []
@@ -213,7 +218,11 @@ def _find_by_tags(folder: Path, unreadable: str, stores: Stores) -> bool:
         except StoreAway as e:
             said.append(str(e))
             continue
-        runs = runs_of_folder(client, folder)
+        try:
+            runs = runs_of_folder(client, folder)
+        except MlflowException as e:  # one store that cannot be searched stops no other
+            said.append(f"{shown}: {redact_text(first_line(e))[:200]}")
+            continue
         if runs:
             ends = [_end_found(client, run) for run in runs]
             print(f"dlpipe sync: {unreadable}; found by its tags in {shown}: {'; '.join(ends)}", file=sys.stderr)

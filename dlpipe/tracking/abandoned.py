@@ -30,7 +30,7 @@ import psutil
 
 from dlpipe.errors import first_line
 from dlpipe.redact import without_password
-from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, clipped, compared_params
+from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, clipped, compared_params, set_aside
 from dlpipe.tracking.sidecar import MODULE as SIDECAR_MODULE
 
 log = logging.getLogger(__name__)
@@ -245,8 +245,7 @@ def continue_outbox(path: Path | None, uri: str, run_id: str) -> Outbox:
         try:
             left = Outbox.load(path)
         except (OSError, ValueError, KeyError) as e:  # kept aside as it is, for whoever can read it
-            log.warning("%s is unreadable (%s): moved to %s.unreadable", path, first_line(e), path)
-            path.replace(path.with_name(path.name + ".unreadable"))
+            log.warning("%s is unreadable (%s): moved to %s", path, first_line(e), set_aside(path))
         else:
             if left.run_id == run_id:
                 earlier = left.entries

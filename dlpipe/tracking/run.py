@@ -40,6 +40,7 @@ from dlpipe.tracking.outbox import (
     connect_error,
     outage_reason,
     send_params,
+    set_aside,
     unreachable,
 )
 from dlpipe.tracking.store_lock import absolute_uri
@@ -128,8 +129,7 @@ class MlflowRun:
         try:
             left = Outbox.load(path)
         except (OSError, ValueError, KeyError) as e:
-            aside = path.with_name(path.name + ".unreadable")
-            path.replace(aside)
+            aside = set_aside(path)
             log.warning("%s is unreadable (%s): moved to %s; nothing in it can be sent", path, first_line(e), aside)
             return
         if left.run_id != self.run_id:

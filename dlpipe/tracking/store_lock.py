@@ -122,14 +122,14 @@ def _wait(fd: int, uri: str, lock: Path, give_up_s: float) -> None:
     while not taken.wait(LOCK_POLL_S):
         holder, held_s = _holder(fd)
         waited = time.monotonic() - started
+        if not noted and waited >= LOCK_NOTE_AFTER_S:  # before giving up: a stalled poll still says it
+            log.warning("waiting for %s, held by %s (another job opening the store: creating or migrating it); "
+                        "giving up after %.0f s", lock, holder, give_up_s)
+            noted = True
         if max(waited, held_s) >= give_up_s:
             raise DlpipeError(f"tracking.uri={redact_text(uri)}: {lock} has been held for {max(waited, held_s):.0f} s "
                               f"by {holder} (another job opening the store); stop that process if it hangs, "
                               "then run again")
-        if not noted and waited >= LOCK_NOTE_AFTER_S:
-            log.warning("waiting for %s, held by %s (another job opening the store: creating or migrating it); "
-                        "giving up after %.0f s", lock, holder, give_up_s)
-            noted = True
     if failed:
         raise failed[0]
 
@@ -163,7 +163,12 @@ def _remove_leftovers(db: Path) -> None:
     """Delete what a creator killed mid-way left (its temporary store and journal): under the lock,
     no creator is at work."""
     for left in db.parent.glob(db.name + NEW_INFIX + "*"):
-        left.unlink(missing_ok=True)
+        try:
+            left.unlink(missing_ok=True)
+        except OSError as e:  # another user's, in a shared folder: it costs only its space
+            log.warning("cannot remove %s, left by a job killed while it created the store (%s)", left,
+                        e.strerror or e)
+            continue
         log.info("removed %s, left by a job killed while it created the store", left)
 
 
