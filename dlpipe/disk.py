@@ -18,6 +18,24 @@ DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write `text` to `path` whole or not at all: a temp file of its own in the same folder (two
+    writers never share one), synced to disk (renamed before its data reached the disk, a crash
+    could leave an empty file), then renamed over `path`; a reader sees the old file or the new one,
+    and of two writers the last one's, whole. The temp file goes on any failure."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def nearest_existing(path: Path) -> Path:
     """`path` (made absolute) or its closest ancestor that exists: where `mkdir -p` would start."""
     path = Path(os.path.abspath(path))

@@ -7,9 +7,7 @@ MLflow run and writes the winner as OUTPUT_DIR/loader/NAME.yaml with a header sa
 
 import dataclasses
 import logging
-import os
 import socket
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC
@@ -18,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from dlpipe import hardware
-from dlpipe.disk import write_failure
+from dlpipe.disk import write_atomic, write_failure
 from dlpipe.errors import DlpipeError
 from dlpipe.loader import policy
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard
@@ -250,17 +248,7 @@ def write_whole(path: Path, text: str) -> None:
     on any failure. A tuned config already there is named in the log with when and what it measured."""
     path.parent.mkdir(parents=True, exist_ok=True)
     earlier = written_by(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            os.fchmod(f.fileno(), 0o644)  # a config to share, not mkstemp's private 0600
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, text)  # 0644: a config to share
     if earlier:
         log.warning("tune: replaced %s (%s)", path, earlier)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import psutil
 
+from dlpipe.disk import write_atomic
 from dlpipe.errors import first_line
 from dlpipe.redact import without_password
 from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, clipped, compared_params, set_aside
@@ -94,16 +95,10 @@ def write_marker(folder: Path, run_id: str, uri: str) -> None:
     one. A record that cannot be written costs only that check later: the run goes on."""
     bare = without_password(uri)
     record = {"run_id": run_id, "uri": bare, "password_removed": bare != uri, **asdict(Owner.this_process())}
-    tmp = folder / (MARKER_FILE + ".tmp")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())  # renamed before its data reached the disk, a crash could leave it empty
-        tmp.replace(folder / MARKER_FILE)
+        write_atomic(folder / MARKER_FILE, json.dumps(record) + "\n")
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         log.warning("cannot record MLflow run %s in %s (%s): if this job is killed outright, a later job "
                     "there will not end the run", run_id, folder, first_line(e))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from dlpipe.disk import write_failure
+from dlpipe.disk import write_atomic, write_failure
 from dlpipe.errors import causes, first_line
 from dlpipe.redact import without_password
 from dlpipe.tracking.dataset_input import log_inputs
@@ -262,11 +262,8 @@ class Outbox:
         if not self.entries:
             self.path.unlink(missing_ok=True)
             return
-        tmp = self.path.with_suffix(".tmp")
         lines = [self.head(), *self.entries]
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write("".join(json.dumps(line) + "\n" for line in lines))
-        tmp.replace(self.path)
+        write_atomic(self.path, "".join(json.dumps(line) + "\n" for line in lines), mode=0o600)  # holds a URI
 
     @classmethod
     def load(cls, path: Path) -> "Outbox":
