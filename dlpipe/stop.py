@@ -173,8 +173,7 @@ class AtOnce:
         name = signal.Signals(signum).name
         if self.signal is not None and _on_its_way(sys.exc_info()[1]):
             return  # raised and being handled: the runs are ending
-        if _held is not None and not _held:
-            _held.append(name)  # inside a tracking write: Unbroken raises it once that is done
+        if _hold(name):  # inside a tracking write: Unbroken raises it once that is done
             self._began(name)
             return
         if self.signal is None:
@@ -221,10 +220,16 @@ def _on_its_way(exc: BaseException | None) -> bool:
 def hold_or_raise(name: str) -> None:
     """For a stop handler of another's (the sweep's): inside a tracking call the stop is held for it
     (Unbroken raises it once the call is done), else raised here; a second one is raised at once."""
+    if not _hold(name):
+        raise stop_error(name)
+
+
+def _hold(name: str) -> bool:
+    """Hold the stop `name` if a tracking call runs and holds none yet (a second one is not held)."""
     if _held is not None and not _held:
         _held.append(name)
-        return
-    raise stop_error(name)
+        return True
+    return False
 
 
 def stop_error(name: str) -> BaseException:

@@ -145,8 +145,8 @@ def sync_one(path: Path, stores: Stores) -> tuple[bool, str | None]:
     except (OSError, ValueError, KeyError) as e:
         return _error(f"{path}: unreadable ({first_line(e)}); left as it is"), None
     writer = _owner(box, path.parent)
-    ended = any("end" in entry for entry in box.entries)  # the run's last write: nothing follows it
-    if not ended and writer is not None and writer.host == socket.gethostname() and writer.gone() is None:
+    has_end = any("end" in entry for entry in box.entries)  # the run's last write: nothing follows it
+    if not has_end and writer is not None and writer.host == socket.gethostname() and writer.gone() is None:
         # sending rewrites the file: lines its job appended meanwhile would be lost
         return _error(f"{path}: its job's process {writer.pid} still writes it and sends it itself once the store "
                       "is back; left to it (sync again once it has ended)"), box.run_id
@@ -157,8 +157,7 @@ def sync_one(path: Path, stores: Stores) -> tuple[bool, str | None]:
     counts = box.counts()
     try:
         ended = box.send(client)
-        status, found = (ended, "") if ended else end_if_abandoned(client, box.run_id, _owner(box, path.parent),
-                                                                   other_hosts=False)
+        status, found = (ended, "") if ended else end_if_abandoned(client, box.run_id, writer, other_hosts=False)
     except Exception as e:
         if not (unreachable(e) or isinstance(e, MlflowException)):
             raise

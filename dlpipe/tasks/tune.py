@@ -242,10 +242,8 @@ def header(cfg: DlpipeConfig, budget, result: TuneResult) -> str:
 
 
 def write_whole(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all: into a temp file of its own in the same folder
-    (two tunes writing one config never share one), fsynced, then renamed over `path`, so a reader
-    sees the old file or the new one and, of two writers, the last one's whole; the temp file goes
-    on any failure. A tuned config already there is named in the log with when and what it measured."""
+    """Write `text` to `path` whole or not at all (disk.write_atomic: of two tunes writing one config,
+    the last one's, whole); a tuned config already there is named in the log with what it measured."""
     path.parent.mkdir(parents=True, exist_ok=True)
     earlier = written_by(path)
     write_atomic(path, text)  # 0644: a config to share

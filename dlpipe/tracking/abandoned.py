@@ -31,7 +31,7 @@ import psutil
 from dlpipe.disk import write_atomic
 from dlpipe.errors import first_line
 from dlpipe.redact import without_password
-from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, clipped, compared_params, set_aside
+from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, clipped, compared_params, set_aside, set_aside_for
 from dlpipe.tracking.sidecar import MODULE as SIDECAR_MODULE
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ def continue_outbox(path: Path | None, uri: str, run_id: str) -> Outbox:
             if left.run_id == run_id:
                 earlier = left.entries
             else:  # another run's, as MlflowRun._take_over leaves it: for `dlpipe sync`
-                path.replace(path.with_name(f"{path.stem}.{left.run_id}{path.suffix}"))
+                set_aside_for(path, left.run_id)
     box.path = path.with_name(path.name + ".takeover")
     box.path.unlink(missing_ok=True)
     for entry in earlier:

@@ -24,17 +24,6 @@ log = logging.getLogger(__name__)
 
 OUTBOX_FILE = "mlflow_outbox.jsonl"
 OUTBOX_GLOB = "mlflow_outbox*.jsonl"  # and mlflow_outbox.<run id>.jsonl: an earlier run's, moved aside
-
-
-def set_aside(path: Path) -> Path:
-    """Move an outbox that cannot be read out of a new run's way, under a name `dlpipe sync` still
-    finds (OUTBOX_GLOB) and reports every time, never over one set aside before."""
-    for n in range(1, 10_000):
-        aside = path.with_name(f"{path.stem}.unreadable-{n}{path.suffix}")
-        if not aside.exists():
-            path.replace(aside)
-            return aside
-    raise FileExistsError(f"{path}: 9999 unreadable outboxes set aside beside it already")
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limits
 MAX_PARAMS_PER_BATCH = 100
 # SQLite's words for a store that cannot take a write now but can later, once space is freed,
@@ -70,6 +59,25 @@ def outage_reason(exc: BaseException) -> str:
 
     refused = next((e for e in causes(exc) if isinstance(e, sqlite3.OperationalError)), None)
     return f"{type(refused).__name__}: {refused}" if refused is not None else first_line(exc)
+
+
+def set_aside(path: Path) -> Path:
+    """Move an outbox that cannot be read out of a new run's way, under a name `dlpipe sync` still
+    finds (OUTBOX_GLOB) and reports every time, never over one set aside before."""
+    for n in range(1, 10_000):
+        aside = path.with_name(f"{path.stem}.unreadable-{n}{path.suffix}")
+        if not aside.exists():
+            path.replace(aside)
+            return aside
+    raise FileExistsError(f"{path}: 9999 unreadable outboxes set aside beside it already")
+
+
+def set_aside_for(path: Path, run_id: str) -> Path:
+    """Move another run's outbox out of this run's way, as mlflow_outbox.<run id>.jsonl, which
+    `dlpipe sync` sends to that run: two runs' writes never share a file."""
+    aside = path.with_name(f"{path.stem}.{run_id}{path.suffix}")
+    path.replace(aside)
+    return aside
 
 
 class DamagedOutbox(ValueError):

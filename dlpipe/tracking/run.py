@@ -41,6 +41,7 @@ from dlpipe.tracking.outbox import (
     outage_reason,
     send_params,
     set_aside,
+    set_aside_for,
     unreachable,
 )
 from dlpipe.tracking.store_lock import absolute_uri
@@ -133,8 +134,7 @@ class MlflowRun:
             log.warning("%s is unreadable (%s): moved to %s; nothing in it can be sent", path, first_line(e), aside)
             return
         if left.run_id != self.run_id:
-            aside = path.with_name(f"{path.stem}.{left.run_id}{path.suffix}")
-            path.replace(aside)
+            aside = set_aside_for(path, left.run_id)
             log.warning("%s holds writes for MLflow run %s, not this one: moved to %s for `dlpipe sync`",
                         path, left.run_id, aside)
             return

@@ -61,7 +61,7 @@ class SidecarRun:
         self._run_args: dict = {}
         self._unanswered: deque = deque()  # calls sent, not yet answered: lost if the process dies
         self._gone_seen = threading.Event()  # the pipe closed: the process died (or was closed)
-        self._kept = None  # an Outbox  # once the process died with the run open: its writes, for sync
+        self._kept = None  # an Outbox, once the process died with the run open: its writes, for sync
         threading.Thread(target=self._read, name="dlpipe-tracking-pipe", daemon=True).start()
 
     @classmethod
