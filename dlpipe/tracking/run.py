@@ -45,6 +45,7 @@ from dlpipe.tracking.outbox import (
     unreachable,
 )
 from dlpipe.tracking.store_lock import absolute_uri
+from dlpipe.tracking.system_metrics import start_system_monitor, stop_system_monitor
 
 log = logging.getLogger(__name__)
 
@@ -277,21 +278,15 @@ class MlflowRun:
         return True
 
     def watch_system(self) -> None:
-        """Start MLflow's own system-metrics monitor on this run (what mlflow.start_run does with
-        log_system_metrics=True): a thread of MLflow's that samples CPU, memory, disk, network and
-        GPU and writes `system/...` on a step axis of its own (samples), until the run ends."""
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        self._system_monitor = SystemMetricsMonitor(self.run_id, resume_logging=self.resumed,
-                                                    tracking_uri=absolute_uri(self.uri))
-        self._system_monitor.start()
+        """Start MLflow's own system-metrics monitor on this run, until the run ends."""
+        self._system_monitor = start_system_monitor(self.run_id, self.resumed, absolute_uri(self.uri))
 
     def end(self, status: str, reason: str | None = None) -> None:
         """Write what is buffered and mark the run ended; if the server is away, wait for it up to
         offline_wait_s, then leave everything in the outbox file for `dlpipe sync`."""
         monitor, self._system_monitor = self._system_monitor, None
         if monitor is not None:
-            monitor.finish()  # its last samples go in while the run is still RUNNING
+            stop_system_monitor(monitor)  # its last samples go in while the run is still RUNNING
         try:
             self.flush()  # a failed or killed run keeps the metrics it measured
             if reason:
