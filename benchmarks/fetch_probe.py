@@ -3,7 +3,7 @@
     python -m benchmarks.fetch_probe --rounds 5 [--out fetch_probe.md]
 
 `dlpipe.loader.probe.item_fetch_seconds` times fetching and collating two batches in the main process;
-under `CHEAP_ITEM_S` (50 us) per item the automatic workers go (`dlpipe.tasks.loaders.fit_loader_to_data`).
+under `CHEAP_ITEM_S` (50 us) per item the automatic workers go (`dlpipe.loader.fitting.fit_loader_to_data`).
 tests/test_probe.py once asserted on real data that in-memory rows come in under it and that the probe
 of slow items stops within 0.5 s; those assertions now run on a fake clock, and this script measures:
 - in-memory rows: `TabularDataset` (rows of one tensor), where no worker can pay;

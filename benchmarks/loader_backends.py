@@ -14,7 +14,7 @@ Four pipelines, each wrapped in NamedErrors as training wraps its split:
 
 Per pipeline:
 1. auto: the settings loader=auto gives here (`recommended_workers` of the CPU budget, then
-   `dlpipe.tasks.loaders.fit_loader_to_data` with fetch=auto and worker_method=auto, as a job runs it);
+   `dlpipe.loader.fitting.fit_loader_to_data` with fetch=auto and worker_method=auto, as a job runs it);
 2. tune: `dlpipe.loader.search.Search` from auto, its evaluate() as `dlpipe tune`'s (memory guard,
    `measure_candidate` with bench.repeats measurements and a resource sampler), no MLflow; its wall time;
 3. the grid: fetch (batch only where `find_gather` finds a gather) x num_workers 0 and `--workers` x
@@ -53,15 +53,15 @@ from torch.utils.data import Dataset  # noqa: E402
 
 from benchmarks.common import finish  # noqa: E402
 from benchmarks.options import arguments, checked, worker_counts  # noqa: E402
-from dlpipe import hardware  # noqa: E402
-from dlpipe.config import decisions  # noqa: E402
+from dlpipe.loader import decisions as loader_decisions
 from dlpipe.loader.build import batch_bytes  # noqa: E402
 from dlpipe.loader.faults import NamedErrors  # noqa: E402
+from dlpipe.loader.fitting import fit_loader_to_data  # noqa: E402
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard  # noqa: E402
 from dlpipe.loader.threads import fetch_cpu_seconds  # noqa: E402
+from dlpipe.machine import hardware  # noqa: E402
 from dlpipe.sample_rng import sample_generator  # noqa: E402
 from dlpipe.schema import BenchConfig, LoaderConfig  # noqa: E402
-from dlpipe.tasks.loaders import fit_loader_to_data  # noqa: E402
 from dlpipe.tasks.tune import automatic_persistence, dataset_options  # noqa: E402
 from dlpipe.telemetry.sampler import ResourceSampler  # noqa: E402
 
@@ -166,8 +166,9 @@ def grid(gathers: bool, worker_counts: list[int]) -> list[Candidate]:
 def automatic(dataset, batch: int, budget: int) -> tuple[Candidate, dict[str, str]]:
     """loader=auto here: the resolvers' values, then fitted to the built data like a job's."""
     workers = hardware.recommended_workers(budget)
-    asked = LoaderConfig(batch_size=batch, num_workers=workers, prefetch_factor=decisions.prefetch(workers).value,
-                         persistent_workers=decisions.persistent(workers, EPOCHS, len(dataset), batch).value,
+    asked = LoaderConfig(batch_size=batch, num_workers=workers,
+                         prefetch_factor=loader_decisions.prefetch(workers).value,
+                         persistent_workers=loader_decisions.persistent(workers, EPOCHS, len(dataset), batch).value,
                          fetch="auto", worker_method="auto")
     fitted, reasons = fit_loader_to_data(AUTO_RAW, asked, EPOCHS, dataset)
     n = fitted.num_workers

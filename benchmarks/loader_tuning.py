@@ -35,10 +35,11 @@ if not __package__:  # run as `python benchmarks/loader_tuning.py` from a checko
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.options import arguments, checked  # noqa: E402
-from dlpipe import hardware  # noqa: E402
 from dlpipe.config import decisions  # noqa: E402
+from dlpipe.loader import decisions as loader_decisions
 from dlpipe.loader.probe import item_fetch_seconds  # noqa: E402
 from dlpipe.loader.search import LADDER, Candidate, Search, measure_candidate  # noqa: E402
+from dlpipe.machine import hardware  # noqa: E402
 
 GOALS = {"auto": 0.9, "tuned": 0.97, "cost": 1 / 3}
 EPOCHS = 3  # what the automatic persistent_workers decision is told the run will train for
@@ -71,10 +72,11 @@ def pipelines(args):
 
 def automatic(dataset, batch: int) -> Candidate:
     """What loader=auto resolves to here: the resolvers' decisions, then the workers fitted to the
-    data (`dlpipe.tasks.loaders.fit_loader_to_data`: none when items are cheap to fetch in-process)."""
-    workers = decisions.workers_for_data(decisions.workers().value, item_fetch_seconds(dataset, batch)).value
-    return Candidate(workers, decisions.prefetch(workers).value,
-                     decisions.persistent(workers, EPOCHS, len(dataset), batch).value, decisions.cuda_available().value)
+    data (`dlpipe.loader.fitting.fit_loader_to_data`: none when items are cheap to fetch in-process)."""
+    workers = loader_decisions.workers_for_data(decisions.workers().value, item_fetch_seconds(dataset, batch)).value
+    return Candidate(workers, loader_decisions.prefetch(workers).value,
+                     loader_decisions.persistent(workers, EPOCHS, len(dataset), batch).value,
+                     decisions.cuda_available().value)
 
 
 def lightning_suggestion(pin: bool) -> Candidate:

@@ -35,7 +35,7 @@ from pathlib import Path
 if not __package__:  # run as `python benchmarks/suite.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dlpipe import hardware  # noqa: E402  (cheap: no torch, nothing read at import)
+from dlpipe.machine import hardware  # noqa: E402  (cheap: no torch, nothing read at import)
 
 REPO = Path(__file__).resolve().parents[1]
 STDERR_TAIL = 20  # lines of a crashed script's stderr kept for its section
@@ -189,7 +189,7 @@ def skipped(bench: Benchmark) -> Outcome:
 def cpu_line() -> str:
     # dlpipe's budget (affinity, cgroup quota, Slurm) is what its automatic settings were derived from;
     # os.cpu_count() is what the scripts' own headers print.
-    return f"{hardware.cpu_budget().budget} (dlpipe.hardware.cpu_budget; os.cpu_count() {os.cpu_count()})"
+    return f"{hardware.cpu_budget().budget} (dlpipe.machine.hardware.cpu_budget; os.cpu_count() {os.cpu_count()})"
 
 
 def git_commit() -> str:

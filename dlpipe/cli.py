@@ -1,6 +1,6 @@
 """The `dlpipe` command: compose the config with Hydra, check it, then hand it to a task's `run`.
 
-Only this module, `config/` and the sweep callback (`tracking/sweep.py`) touch Hydra's runtime.
+Only this module, `config/` and the sweep callback (`sweeps/callback.py`) touch Hydra's runtime.
 Nothing heavy (torch, mlflow) is imported until a job actually runs, so `dlpipe --help` and
 `dlpipe --cfg job` stay fast.
 """
@@ -110,7 +110,7 @@ def _job(cfg: DictConfig):
     multirun = hc.mode == RunMode.MULTIRUN
     handlers = stop_at_once()  # every task's runs end KILLED on a signal, from the job's first moment
     try:
-        from dlpipe.tasks.common import JobContext
+        from dlpipe.tasks.preflight import JobContext
 
         ctx = JobContext(
             output_dir=Path(hc.runtime.output_dir),
@@ -162,7 +162,7 @@ def _job(cfg: DictConfig):
         sys.exit(2)
     finally:
         restore_handlers(handlers)
-        from dlpipe import budget_share
+        from dlpipe.machine import budget_share
 
         budget_share.leave()  # a sweep may run its next job in this process: it must not count this one
 

@@ -185,7 +185,7 @@ class TelemetryConfig:
     """Trace Python allocations and store the top ones at the end (slows Python-heavy loaders)."""
     measurements_file: str | None = None
     """Where train, bench and tune keep what they measured of each job's loader, so advice never
-    suggests a setting already measured slower (dlpipe/loader/journal.py); conf/telemetry/default.yaml
+    suggests a setting already measured slower (dlpipe/judging/journal.py); conf/telemetry/default.yaml
     sets ~/.cache/dlpipe/measurements.jsonl (XDG_CACHE_HOME respected); null keeps nothing."""
 
 

@@ -143,7 +143,7 @@ def stop_at_once() -> "AtOnce":
     removed on the way out, and the CLI prints its one line. Without this SIGTERM, SIGUSR1 and
     SIGUSR2 kill the process outright: runs left RUNNING, nothing printed.
 
-    Only signals still at Python's default are taken: a sweep's handler (tracking.sweep) and
+    Only signals still at Python's default are taken: a sweep's handler (sweeps.callback) and
     submitit's already end the job their own way (and SIG_IGN, e.g. `nohup`, stays). Call
     restore_handlers with what this returns when the job ends."""
     return AtOnce()

@@ -24,7 +24,7 @@ from test_config import make as compose_config
 from test_config import registered  # noqa: F401  (autouse: resolvers, schemas and recipes registered)
 from test_hardware import fake_host
 
-from dlpipe import hardware
+from dlpipe.machine import hardware
 
 # README, "Workers per budget": 1 -> 0, 2 -> 2, 3-4 -> budget - 1, 5-8 -> budget - 2,
 # 9-15 -> budget // 2 (at least 6), 16+ -> 8.

@@ -21,11 +21,11 @@ from dlpipe.errors import ConfigError
 from dlpipe.loader.build import ESTIMATE_ITEMS, build_loader, sample_bytes
 from dlpipe.loader.collate import PadSequences
 from dlpipe.loader.fetch import item_collate
+from dlpipe.loader.fitting import build_loaders, fit_loader_to_data
 from dlpipe.loader.probe import item_fetch_seconds
 from dlpipe.models.transformer import TinyTransformer
 from dlpipe.schema import LoaderConfig
 from dlpipe.tasks.build import build_data_and_model
-from dlpipe.tasks.loaders import build_loaders, fit_loader_to_data
 from dlpipe.training.batches import batch_samples
 
 PAD = PadSequences()
@@ -179,7 +179,7 @@ def test_the_probe_collates_ragged_items_with_the_jobs_collate():
         item_fetch_seconds(data, 64)  # what happened before loader.collate_fn existed
     seconds = item_fetch_seconds(data, 64, collate_fn=PAD)
     assert 0 < seconds < float("inf")
-    # tasks.loaders fits the automatic workers by the probe, with the loader's collate
+    # loader.fitting fits the automatic workers by the probe, with the loader's collate
     auto = {"num_workers": "${auto_workers:}", "prefetch_factor": "${auto_prefetch:${.num_workers}}",
             "persistent_workers": "${auto_persistent:${.num_workers},${trainer.epochs},0}"}
     loader = LoaderConfig(num_workers=2, prefetch_factor=2, persistent_workers=True, batch_size=64,

@@ -13,8 +13,9 @@ from dlpipe.config.resolvers import RESOLVERS, register_resolvers
 from dlpipe.config.store import find_recipes, register_recipes, register_schemas
 from dlpipe.config.validation import validate
 from dlpipe.errors import ConfigError
+from dlpipe.loader import decisions as loader_decisions
+from dlpipe.loader.fitting import build_loaders
 from dlpipe.tasks.build import build_data_and_model, build_scheduler
-from dlpipe.tasks.loaders import build_loaders
 
 # Small sizes so building every option stays fast; values only, nothing structural.
 SMALL = {
@@ -240,7 +241,7 @@ def test_resolvers_register_idempotently():
 
 def test_auto_values_follow_the_machine(monkeypatch):
     """auto_workers follows the CPU budget (here: SLURM_CPUS_PER_TASK and LOCAL_WORLD_SIZE)."""
-    from dlpipe import hardware
+    from dlpipe.machine import hardware
 
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
@@ -260,7 +261,7 @@ def test_auto_values_follow_the_machine(monkeypatch):
 def test_persistent_workers_decision(workers, epochs, size, expected):
     """persistent_workers: only with workers, more than one epoch and at least 10 batches per worker per
     epoch (500 items in batches of 64 make 8); an unknown size is settled once the data is built."""
-    assert decisions.persistent(workers, epochs, size, 64, 0.1).value is expected
+    assert loader_decisions.persistent(workers, epochs, size, 64, 0.1).value is expected
 
 
 def test_explain_marks_auto_and_user_values():

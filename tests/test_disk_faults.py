@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import epochs_logged, runs_of
 
-from dlpipe import disk
 from dlpipe.errors import ConfigError
+from dlpipe.machine import disk
 from dlpipe.tasks.writable import check_writable, hydra_output_error
 from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, unreachable
 from dlpipe.tracking.store_lock import sqlite_path
@@ -104,7 +104,7 @@ def test_unwritable_names_why_and_leaves_nothing_behind(tmpfs, tmp_path):
 
 
 class Ctx:
-    """What check_writable reads of a tasks.common.JobContext."""
+    """What check_writable reads of a tasks.preflight.JobContext."""
 
     def __init__(self, output_dir: Path, multirun: bool = False):
         self.output_dir, self.multirun = output_dir, multirun

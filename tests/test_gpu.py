@@ -2,7 +2,7 @@
 
 import pytest
 
-from dlpipe.gpu import Nvml, NvmlUnavailable, nvml_index
+from dlpipe.machine.gpu import Nvml, NvmlUnavailable, nvml_index
 
 
 def test_nvml_session_or_reason():

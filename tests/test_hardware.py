@@ -11,9 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dlpipe import cgroups
-from dlpipe.gpu import gpu_summary
-from dlpipe.hardware import (
+from dlpipe.machine import cgroups
+from dlpipe.machine.gpu import gpu_summary
+from dlpipe.machine.hardware import (
     CpuBudget,
     cpu_budget,
     host_facts,
@@ -271,7 +271,7 @@ def test_real_host_budget_is_within_affinity():
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="taskset not installed")
 def test_taskset_affinity_is_seen_while_cpu_count_is_not():
     code = (
-        "import os; from dlpipe.hardware import cpu_budget; "
+        "import os; from dlpipe.machine.hardware import cpu_budget; "
         "print(cpu_budget().affinity, os.cpu_count())"
     )
     out = subprocess.run(
@@ -282,7 +282,7 @@ def test_taskset_affinity_is_seen_while_cpu_count_is_not():
 
 
 def test_import_has_no_side_effects():
-    code = "import sys, dlpipe.hardware; print('torch' in sys.modules, 'pynvml' in sys.modules)"
+    code = "import sys, dlpipe.machine.hardware; print('torch' in sys.modules, 'pynvml' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO, capture_output=True, text=True, check=True, timeout=60,

@@ -5,7 +5,7 @@ import logging
 import multiprocessing
 import os
 
-from dlpipe.loader.journal import MeasurementFile, effective
+from dlpipe.judging.journal import MeasurementFile, effective
 
 ZERO = {"num_workers": 0, "prefetch_factor": 4, "persistent_workers": True, "pin_memory": False}
 TWO = {"num_workers": 2, "prefetch_factor": None, "persistent_workers": True, "pin_memory": False}
@@ -127,7 +127,7 @@ def test_lines_that_would_mislead_or_crash_the_reader_are_skipped(tmp_path):
 
 def test_only_the_newest_lines_are_read(tmp_path, monkeypatch):
     """The file is never rotated: a start reads its last READ_BYTES, from the first whole line."""
-    from dlpipe.loader import journal as module
+    from dlpipe.judging import journal as module
 
     path = tmp_path / "m.jsonl"
     journal = MeasurementFile(str(path), "job", "loader")

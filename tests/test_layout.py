@@ -11,8 +11,29 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dlpipe"
-LEAVES = {"errors", "hardware", "cgroups", "budget_share", "gpu", "redact", "console", "stop", "schema", "disk"}
-TASKS = {"train", "bench", "tune", "eval", "sync"}
+
+# The one layering of the package, top first, quoted in docs/development.md. A room (a package, or a
+# module at the root) may import rooms of its own layer's row only if it is that room, and any room
+# of a layer below; never one above. Read: the CLI runs tasks; tasks compose everything; sweep
+# reporting reads tracking; tracking and config know nothing of torch; judging reads loader
+# measurements; the loader runs training's batch and RNG helpers; training takes built objects and
+# measures itself with telemetry; everything stands on the machine's facts and the base modules.
+LAYERS = (
+    ("entry", {"__main__"}),
+    ("cli", {"cli"}),
+    ("tasks", {"tasks"}),
+    ("sweep reporting", {"sweeps"}),
+    ("tracking, config", {"tracking", "config"}),
+    ("judging", {"judging"}),
+    ("loader", {"loader"}),
+    ("training", {"training"}),
+    ("measuring, components", {"telemetry", "data", "models"}),
+    ("machine", {"machine"}),
+    ("base", {"schema", "stop", "console", "redact", "sample_rng", "instantiate", "help"}),
+    ("errors, version", {"errors", "__init__"}),
+)
+LAYER_OF = {room: depth for depth, (_, rooms) in enumerate(LAYERS) for room in rooms}
+TASKS = {"train", "bench", "tune", "eval", "plan", "sync"}
 
 
 def modules() -> list[Path]:
@@ -44,10 +65,58 @@ def test_training_takes_built_objects_not_config_or_trackers(path):
     assert imported_from(path, "dlpipe.tracking", "dlpipe.config", "dlpipe.tasks", "hydra", "omegaconf", "mlflow") == []
 
 
-@pytest.mark.parametrize("path", [PACKAGE / f"{leaf}.py" for leaf in sorted(LEAVES)], ids=name_of)
-def test_leaf_modules_import_only_other_leaves(path):
-    ours = {m.split(".")[1] for m in imported_from(path, "dlpipe.")}
-    assert ours <= LEAVES, f"{name_of(path)} imports {sorted(ours - LEAVES)}"
+def room_of(module: str) -> str:
+    """`dlpipe.loader.build` -> `loader`; `dlpipe.errors` -> `errors`; `dlpipe` (its __init__) -> `__init__`."""
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def own_imports(path: Path) -> set[str]:
+    """The dlpipe modules `path` imports (`from dlpipe.loader import policy` counts as dlpipe.loader.policy)."""
+    found = set()
+    for name in imported_from(path, "dlpipe."):
+        found.add(name if (PACKAGE.parent / name.replace(".", "/")).with_suffix(".py").exists()
+                  or (PACKAGE.parent / name.replace(".", "/")).is_dir() else name.rpartition(".")[0])
+    return found
+
+
+def test_every_room_has_a_layer():
+    rooms = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in modules()}
+    assert rooms == set(LAYER_OF), "add the room to LAYERS (and to docs/development.md), or remove it there"
+
+
+@pytest.mark.parametrize("path", modules(), ids=name_of)
+def test_imports_point_down_the_layers(path):
+    me = name_of(path)
+    mine = room_of(me)
+    against = sorted(m for m in own_imports(path)
+                     if room_of(m) != mine and LAYER_OF[room_of(m)] <= LAYER_OF[mine])
+    assert against == [], (f"{me} ({LAYERS[LAYER_OF[mine]][0]}) imports {against}: a room imports only rooms on "
+                           "layers below its own (tests/test_layout.py LAYERS)")
+
+
+def test_no_module_imports_itself_back():
+    """No circle between dlpipe's modules, at the top or inside a function: each is a knot a reader
+    must untie, and an import order that works only by luck."""
+    graph = {name_of(p): {m for m in own_imports(p) if m != name_of(p) and not m.endswith("__init__")}
+             for p in modules()}
+    graph = {k.removesuffix(".__init__"): v for k, v in graph.items()}
+    done, path, circles = set(), [], []
+
+    def visit(node):
+        if node in path:
+            circles.append(" -> ".join(path[path.index(node):] + [node]))
+            return
+        if node in done:
+            return
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt)
+        path.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+    assert circles == [], circles
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
@@ -56,16 +125,17 @@ def test_tasks_do_not_import_each_other(task):
     assert imported_from(PACKAGE / "tasks" / f"{task}.py", *others) == []
 
 
-def test_only_the_cli_config_build_and_the_sweep_callback_touch_hydra():
-    allowed = {"dlpipe.cli", "dlpipe.tasks.build", "dlpipe.tracking.sweep"}
+def test_only_the_cli_config_builders_and_the_sweep_callback_touch_hydra():
+    allowed = {"dlpipe.cli", "dlpipe.tasks.build", "dlpipe.sweeps.callback", "dlpipe.instantiate"}
     users = {name_of(p) for p in modules() if imported_from(p, "hydra")}
     assert {u for u in users if not u.startswith("dlpipe.config.")} <= allowed
 
 
 def test_tracking_and_the_config_layer_never_import_torch():
-    code = ("import sys, dlpipe.tracking.run, dlpipe.tracking.outbox, dlpipe.tracking.sweep_report, dlpipe.stop, "
+    code = ("import sys, dlpipe.tracking.run, dlpipe.tracking.outbox, dlpipe.sweeps.report, dlpipe.stop, "
             "dlpipe.tracking.sidecar, dlpipe.tracking.sidecar_run, dlpipe.tracking.pytorch_model, "
-            "dlpipe.config.decisions, dlpipe.config.validation, dlpipe.loader.policy, dlpipe.loader.lint; "
+            "dlpipe.config.decisions, dlpipe.config.validation, dlpipe.loader.policy, dlpipe.loader.decisions, "
+            "dlpipe.loader.lint; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dlpipe.config import decisions
+from dlpipe.loader import decisions as loader_decisions
 from dlpipe.loader.lint import LoaderFacts, lint_loader
 from dlpipe.loader.policy import train_samples
 from dlpipe.schema import LoaderConfig
@@ -63,7 +63,7 @@ def test_the_persistence_resolver_and_the_lint_never_disagree(size, batch, epoch
     """The automatic persistent_workers is never a value the lint then tells the user to change, and
     a value the lint accepts is the one the resolver would pick (same rule: loader/policy.py). The
     lint sees the training split the job really builds (size less the validation share)."""
-    auto = decisions.persistent(workers, epochs, size, batch, 0.1, False).value
+    auto = loader_decisions.persistent(workers, epochs, size, batch, 0.1, False).value
     train = train_samples(size, 0.1)
     facts = LoaderFacts(cpu_budget=16, cuda=False, train_size=train, batch_bytes=1, shm_free_bytes=None)
     chosen = lint({**GOOD, "batch_size": batch, "num_workers": workers, "persistent_workers": auto},
@@ -77,5 +77,5 @@ def test_the_persistence_resolver_and_the_lint_never_disagree(size, batch, epoch
 
 def test_the_issue_case_keeps_no_workers_the_lint_would_refuse():
     """dataset.size=1100, batch 64, 3 epochs, 4 workers: 990 training items, 16 batches, 4 per worker."""
-    decision = decisions.persistent(4, 3, 1100, 64, 0.1, False)
+    decision = loader_decisions.persistent(4, 3, 1100, 64, 0.1, False)
     assert decision.value is False and "4.0 batches per worker" in decision.reason

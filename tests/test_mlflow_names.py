@@ -4,11 +4,11 @@ the dataset as a run input (tracking/dataset_input.py)."""
 
 import pytest
 
+from dlpipe.sweeps.callback import swept_keys
 from dlpipe.tasks.fit_checks import TELEMETRY_METRICS
 from dlpipe.tracking.dataset_input import describe, log_inputs, mlflow_inputs
 from dlpipe.tracking.metric_names import dlpipe_name, mlflow_name
 from dlpipe.tracking.run_names import job_name, sweep_name
-from dlpipe.tracking.sweep import swept_keys
 
 
 @pytest.mark.parametrize("name, shown", [
@@ -95,7 +95,7 @@ def test_monitors_may_be_named_as_mlflow_shows_them(caplog):
     import logging
     from types import SimpleNamespace
 
-    from dlpipe.tasks.common import accept_mlflow_names
+    from dlpipe.tasks.preflight import accept_mlflow_names
 
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(monitor="val/accuracy"),
                           trainer=SimpleNamespace(early_stopping=SimpleNamespace(monitor=None)),

@@ -11,10 +11,10 @@ from fake_clock import FakeClock, install
 from faulty_data import SlowDataset
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from dlpipe.loader.fitting import fit_loader_to_data
 from dlpipe.loader.policy import CHEAP_ITEM_S
 from dlpipe.loader.probe import item_fetch_seconds
 from dlpipe.schema import LoaderConfig
-from dlpipe.tasks.loaders import fit_loader_to_data
 
 AUTO_RAW = {"num_workers": "${auto_workers:}", "prefetch_factor": "${auto_prefetch:${.num_workers}}",
             "persistent_workers": "${auto_persistent:${.num_workers},${trainer.epochs},0}"}

@@ -250,7 +250,7 @@ def test_a_resume_tells_changes_to_the_results_from_changes_to_the_loaders_speed
 def test_the_resume_hint_is_the_jobs_own_command_in_its_folder(tmp_path):
     """Built from what Hydra recorded, not this process's argv (a launcher's): the config folder, the
     job's overrides with secrets masked and checkpoint.resume replaced by must, its own output folder."""
-    from dlpipe.tasks.common import JobContext
+    from dlpipe.tasks.preflight import JobContext
     from dlpipe.tasks.resume_point import resume_hint
 
     ctx = JobContext(output_dir=tmp_path / "sweep" / "3", overrides=["loader.num_workers=2", "checkpoint.resume=never",

@@ -20,16 +20,16 @@ import pytest
 from conftest import NO_PHONE_HOME, TESTS_DIR
 from omegaconf import OmegaConf
 
-from dlpipe import budget_share, hardware
-from dlpipe.budget_share import Registry, Sharing
 from dlpipe.config import decisions, sharing
+from dlpipe.machine import budget_share, hardware
+from dlpipe.machine.budget_share import Registry, Sharing
 
 # A job's stand-in: registers (optionally pinned to CPUs first), prints how many jobs it saw, then
 # waits for its stdin to close and exits normally (its record goes at exit).
 JOB = """
 import os, sys
 from pathlib import Path
-from dlpipe import budget_share, hardware
+from dlpipe.machine import budget_share, hardware
 if len(sys.argv) > 2:
     os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(",")})
 source = hardware.cpu_budget(sharing=budget_share.Sharing()).cgroup_source

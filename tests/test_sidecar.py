@@ -15,7 +15,7 @@ from test_tracking_outage import wait_for
 
 from dlpipe.errors import DlpipeError
 from dlpipe.telemetry.sampler import TRACKING_MARK, ResourceSampler
-from dlpipe.tracking.abandoned import MARKER_FILE
+from dlpipe.tracking.abandoned import MARKER_FILE, SIDECAR_MODULE
 from dlpipe.tracking.client import client_for
 from dlpipe.tracking.outbox import Outbox
 from dlpipe.tracking.sidecar import MODULE, STOPPED
@@ -184,6 +184,15 @@ def test_a_forked_child_holds_no_end_of_its_pipe(mlflow_store, tmp_path):
         os.waitpid(pid, 0)
         assert all(os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:") for fd in fds)  # ours are intact
     assert seen == ["/dev/null", "/dev/null"]
+
+
+def test_every_copy_of_its_module_name_is_the_module():
+    """Its `python -m` name is written out where an import would break the layering (the sampler) or
+    close a circle (abandoned, read by the run the tracking process runs): all name the real module."""
+    import importlib.util
+
+    assert SIDECAR_MODULE == TRACKING_MARK == MODULE
+    assert importlib.util.find_spec(MODULE).origin.endswith("tracking/sidecar.py")
 
 
 def test_the_sampler_leaves_it_out_of_the_workers(mlflow_store, tmp_path):

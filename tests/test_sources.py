@@ -16,9 +16,10 @@ from dlpipe.config.paths import conf_dir
 from dlpipe.config.resolvers import register_resolvers
 from dlpipe.config.sources import Origin
 from dlpipe.config.store import register_recipes, register_schemas
+from dlpipe.loader import decisions as loader_decisions
+from dlpipe.loader.fitting import fit_loader_to_data
 from dlpipe.schema import LoaderConfig
-from dlpipe.tasks.common import JobContext
-from dlpipe.tasks.loaders import fit_loader_to_data
+from dlpipe.tasks.preflight import JobContext
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -110,7 +111,7 @@ def test_prefetch_follows_workers_fitted_to_the_data(monkeypatch):
     loader = LoaderConfig(num_workers=2, prefetch_factor=2, batch_size=16)
     fitted, reasons = fit_loader_to_data(raw, loader, 3, ClockedItems(clock, item_s=5e-6))
     assert fitted.num_workers == 0 and fitted.prefetch_factor is None
-    assert reasons["loader.prefetch_factor"] == f"None (auto: {decisions.prefetch(0).reason})"
+    assert reasons["loader.prefetch_factor"] == f"None (auto: {loader_decisions.prefetch(0).reason})"
     assert reasons["loader.num_workers"].startswith("0 (auto: items take 5.0 us each")
 
 
@@ -132,7 +133,7 @@ NOTES = {"loader.worker_method=thread ignored: num_workers=0 (the main process f
 
 
 def train_job(ctx, raw, resolved):
-    from dlpipe.tasks.common import preflight
+    from dlpipe.tasks.preflight import preflight
     from dlpipe.tasks.train_job import build_job
     from dlpipe.training.distributed import SINGLE
 
@@ -144,15 +145,16 @@ def train_job(ctx, raw, resolved):
 
 def measured_job(ctx, raw, resolved):
     """bench's and tune's parent params come from their measured loader's plan."""
-    from dlpipe.tasks.common import loader_params, prepare_measurement
+    from dlpipe.tasks.measurement import prepare_measurement
+    from dlpipe.tasks.params import loader_params
 
     return loader_params(prepare_measurement(ctx, raw, {**resolved, "task": "bench"}).plan)
 
 
 def tune_trial(ctx, raw, resolved):
     """The params of tune's first trial, the job's own loader: what its DataLoader got."""
-    from dlpipe.tasks.common import prepare_measurement
-    from dlpipe.tasks.loaders import loader_settings
+    from dlpipe.loader.fitting import loader_settings
+    from dlpipe.tasks.measurement import prepare_measurement
     from dlpipe.tasks.tune import start_candidate, trial_params
 
     job = prepare_measurement(ctx, raw, {**resolved, "task": "tune"})
@@ -202,7 +204,7 @@ def test_every_task_normalises_the_loader_the_same_way(task, tmp_path, caplog, c
 def test_a_resume_of_an_unchanged_config_reports_no_change(tmp_path, mlflow_store, mlflow_client):
     """The effective values replace the config's under the same keys; a resume compares those keys, so
     the same request on the same machine (pinning asked for on the CPU) is no change."""
-    from dlpipe.tasks.common import preflight
+    from dlpipe.tasks.preflight import preflight
     from dlpipe.tasks.train import resume_comparisons
     from dlpipe.tasks.train_job import build_job
     from dlpipe.tracking.run import MlflowRun

@@ -1,8 +1,8 @@
-"""A sweep's jobs checked against each other's advice (tracking/sweep_advice.py), on Run-like objects."""
+"""A sweep's jobs checked against each other's advice (sweeps/advice.py), on Run-like objects."""
 
 from types import SimpleNamespace
 
-from dlpipe.tracking.sweep_advice import withdrawn_advice
+from dlpipe.sweeps.advice import withdrawn_advice
 
 
 def job(run_id, overrides, samples_per_s, advice=None, status="FINISHED", params=None):
@@ -57,8 +57,8 @@ def test_sweep_end_tags_and_prints_withdrawn_advice_on_a_real_store(tmp_path, ca
 
     from mlflow import MlflowClient
 
+    from dlpipe.sweeps.callback import SweepTracking
     from dlpipe.tracking.run import PARENT_TAG
-    from dlpipe.tracking.sweep import SweepTracking
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}")
     exp = client.create_experiment("advice")

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from dlpipe.sweeps.chart import sweep_plot
+from dlpipe.sweeps.jobs import best_job, sweep_jobs
+from dlpipe.sweeps.report import sweep_table
 from dlpipe.tracking.metric_names import mlflow_name
 from dlpipe.tracking.run import PARENT_TAG
-from dlpipe.tracking.sweep_chart import sweep_plot
-from dlpipe.tracking.sweep_jobs import best_job, sweep_jobs
-from dlpipe.tracking.sweep_report import sweep_table
 
 COMMON = "+recipe=smoke trainer.epochs=2"
 
@@ -177,7 +177,7 @@ def test_no_plot_without_metrics(client, tmp_path):
 
 def end_sweep(client, parent: str):
     """The Hydra callback's end of a sweep whose jobs all ran; returns the parent run."""
-    from dlpipe.tracking.sweep import SweepTracking
+    from dlpipe.sweeps.callback import SweepTracking
 
     callback = SweepTracking()
     callback.client, callback.parent_id = client, parent
@@ -201,7 +201,7 @@ def test_sweep_end_logs_table_and_chart_to_the_parent(client, capsys):
 
 
 def test_report_modules_import_neither_hydra_nor_matplotlib():
-    code = ("import sys, dlpipe.tracking.sweep_report, dlpipe.tracking.sweep_chart, dlpipe.tracking.sweep_jobs; "
+    code = ("import sys, dlpipe.sweeps.report, dlpipe.sweeps.chart, dlpipe.sweeps.jobs; "
             "print(sorted(m for m in ('hydra', 'omegaconf', 'matplotlib', 'mlflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -321,7 +321,7 @@ def test_sweep_end_lists_jobs_without_a_run_and_survives_long_overrides(client, 
     """Two jobs failed on bad values before they had a run, with overrides so long that the parent's
     `dlpipe.failed_overrides` tag exceeds MLflow's 8000 characters, and MLflow set to refuse such a
     value instead of cutting it: the table has their rows whole and the parent still ends FAILED."""
-    from dlpipe.tracking.sweep import FAILED_TAG_PREFIX, MAX_TAG_CHARS
+    from dlpipe.sweeps.callback import FAILED_TAG_PREFIX, MAX_TAG_CHARS
 
     monkeypatch.setenv("MLFLOW_TRUNCATE_LONG_VALUES", "false")
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dlpipe import gpu
 from dlpipe.console import summary_table
+from dlpipe.machine import gpu
 from dlpipe.telemetry.sampler import EpochClock, ResourceSampler
 
 # --- EpochClock -----------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch.utils.data import Dataset, Subset, get_worker_info
 
-from dlpipe import cgroups
 from dlpipe.errors import user_message
 from dlpipe.loader.build import build_loader
 from dlpipe.loader.faults import NamedErrors, SampleError, explain_loader_failure
@@ -31,6 +30,7 @@ from dlpipe.loader.worker_method import (
     global_draws,
     processes_forbidden,
 )
+from dlpipe.machine import cgroups
 from dlpipe.sample_rng import SampleBatch, sample_generator, sample_seed
 from dlpipe.schema import LoaderConfig
 
@@ -367,7 +367,7 @@ def test_threads_asked_for_a_global_rng_dataset_are_warned_about(caplog):
     said to be unreproducible with it (auto would keep processes); one that draws its own is not."""
     import logging
 
-    from dlpipe.tasks.loaders import fit_loader_to_data
+    from dlpipe.loader.fitting import fit_loader_to_data
 
     raw = {"num_workers": 2, "prefetch_factor": 2, "persistent_workers": False}
     asked = LoaderConfig(batch_size=8, num_workers=2, worker_method="thread", fetch="item")

@@ -11,13 +11,13 @@ from fake_clock import install
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from dlpipe.hardware import recommended_workers
+from dlpipe.judging.advice import Evidence
+from dlpipe.judging.journal import MIN_GAIN, Journal, Observation, effective
+from dlpipe.judging.verdict import diagnose, more_workers, rss_slope, run_metrics, worker_leak
 from dlpipe.loader import policy
-from dlpipe.loader.journal import MIN_GAIN, Journal, Observation, effective
+from dlpipe.machine.hardware import recommended_workers
 from dlpipe.schema import TrainerConfig
-from dlpipe.telemetry.advice import Evidence
 from dlpipe.telemetry.sampler import ResourceSampler
-from dlpipe.telemetry.verdict import diagnose, more_workers, rss_slope, run_metrics, worker_leak
 from dlpipe.training.runner import Trainer
 
 

@@ -5,20 +5,13 @@ it, so the run can print and record its reasoning. torch is imported lazily (onl
 question is actually asked) so printing an unresolved config never pays for it.
 """
 
-from dataclasses import dataclass, field
 from functools import lru_cache
 
-from dlpipe import hardware
 from dlpipe.config import sharing
 from dlpipe.config.sources import Origin
 from dlpipe.loader import policy
-
-
-@dataclass(frozen=True)
-class Decision:
-    value: object
-    reason: str
-    inputs: dict = field(default_factory=dict)
+from dlpipe.loader.decisions import Decision, persistent, prefetch
+from dlpipe.machine import hardware
 
 
 @lru_cache(maxsize=1)
@@ -53,17 +46,6 @@ def workers(task: str | None = None) -> Decision:
     return Decision(value, why + share.describe(), b.as_params())
 
 
-def workers_for_data(cpu_workers: int, item_fetch_s: float | None) -> Decision:
-    """The CPU-based worker count, or 0 when items are so cheap to fetch in this process that
-    workers can only slow it down (data already in memory). `item_fetch_s` None: not measured."""
-    if cpu_workers and item_fetch_s is not None and item_fetch_s < policy.CHEAP_ITEM_S:
-        return Decision(0, f"items take {item_fetch_s * 1e6:.1f} us each to fetch in this process (data in memory), "
-                           f"under the {policy.CHEAP_ITEM_S * 1e6:.0f} us where workers start to pay for their "
-                           "hand-over; "
-                           f"the CPU budget alone would give {cpu_workers}")
-    return Decision(cpu_workers, "")
-
-
 def cuda_available() -> Decision:
     available, _, why = _torch_cuda()
     return Decision(available, why)
@@ -83,29 +65,6 @@ def amp(device: str) -> Decision:
     if bf16:
         return Decision("bf16", "GPU supports bfloat16: same range as fp32, no loss scaling needed")
     return Decision("fp16", "GPU lacks bfloat16: fp16 with a GradScaler")
-
-
-def prefetch(num_workers: int) -> Decision:
-    if int(num_workers) == 0:
-        return Decision(None, "no workers: PyTorch rejects prefetch_factor without them")
-    n = policy.PREFETCH_DEFAULT
-    return Decision(n, f"{num_workers} workers x {n} batches in flight")
-
-
-def persistent(num_workers: int, epochs: int, dataset_size, batch_size=None, val_fraction=0.0,
-               drop_last=False) -> Decision:
-    """policy.persist_workers on the batches this config gives each rank per epoch; without a known
-    dataset size (or batch size) the batches are unknown here, and tasks.build decides again once
-    the dataset is built."""
-    num_workers, epochs, size = int(num_workers), int(epochs), int(dataset_size or 0)
-    batches = None
-    if size > 0 and batch_size:
-        train = policy.train_samples(size, float(val_fraction or 0.0))
-        batches = policy.batches_per_epoch(train, int(batch_size), hardware.world_size(), bool(drop_last))
-    value, why = policy.persist_workers(num_workers, epochs, batches)
-    inputs = {"num_workers": str(num_workers), "epochs": str(epochs), "dataset_size": str(size or "unknown"),
-              "batches_per_epoch": "unknown" if batches is None else str(batches)}
-    return Decision(value, why, inputs)
 
 
 # Config key -> (resolver name, how to recompute its decision from the resolved config).

@@ -1,6 +1,6 @@
 """How many dlpipe jobs this job's CPU budget is divided between, and when a job registers.
 
-A Hydra job run that sizes its workers (`${auto_workers:}`) registers in `dlpipe.budget_share`'s
+A Hydra job run that sizes its workers (`${auto_workers:}`) registers in `dlpipe.machine.budget_share`'s
 folder and counts the live jobs on its CPUs; a plan or a printed config (`--cfg job --resolve`)
 only counts, as if it were one more job. The answer is settled once per job, so the resolver, the
 logged reason and the budget recorded with the run agree however other jobs come and go.
@@ -20,9 +20,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from dlpipe import budget_share, hardware
-from dlpipe.budget_share import Sharing
 from dlpipe.config.paths import user_cache_dir
+from dlpipe.machine import budget_share, hardware
+from dlpipe.machine.budget_share import Sharing
 
 SHARED_BUDGET_ENV = "DLPIPE_SHARED_BUDGET"
 _ON, _OFF = ("", "1", "true", "yes", "on"), ("0", "false", "no", "off")

@@ -8,11 +8,11 @@ import os
 import re
 import typing
 
-from dlpipe import hardware
 from dlpipe.config.targets import check_named_targets, check_target, locate
 from dlpipe.config.tracking_checks import check_tracking
 from dlpipe.errors import ConfigError
 from dlpipe.loader import policy
+from dlpipe.machine import hardware
 from dlpipe.schema import (
     CHOICES,
     SCHEDULER_DEFAULT_INTERVAL,

@@ -1,0 +1,1 @@
+"""The built-in datasets the recipes train on (JPEG images, token sequences, tabular rows)."""

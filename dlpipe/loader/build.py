@@ -131,7 +131,7 @@ def _nbytes(obj) -> int:
 def dataloader_settings(loader: LoaderConfig) -> dict:
     """build_loader's keyword arguments from the loader config (less what is not a DataLoader setting:
     the validation batch size and the tune provenance). `collate_fn` is still the config's node:
-    dlpipe.tasks.loaders.loader_settings builds it."""
+    dlpipe.loader.fitting.loader_settings builds it."""
     settings = dataclasses.asdict(loader)
     del settings["val_batch_size"], settings["tuned_on"]
     return settings
@@ -200,13 +200,13 @@ def build_loader(
     """A DataLoader for `dataset`; `cuda` says whether batches will go to a CUDA device. With
     `world` > 1 it loads this rank's share (see EpochOrder); `batch_size` is per rank. `collate_fn`
     turns a list of items into a batch (None: PyTorch's default_collate); a config's
-    loader.collate_fn node is built by dlpipe.tasks.loaders.loader_settings. `fetch` (loader.fetch):
+    loader.collate_fn node is built by dlpipe.loader.fitting.loader_settings. `fetch` (loader.fetch):
     item, batch (one gather per batch; a ConfigError if the dataset cannot) or auto. `worker_method`
     (loader.worker_method): process (PyTorch's worker processes) or thread (dlpipe.loader.threads);
-    auto is decided before (dlpipe.tasks.loaders.fit_loader_to_data) and builds processes here."""
+    auto is decided before (dlpipe.loader.fitting.fit_loader_to_data) and builds processes here."""
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__} (a loader.collate_fn "
-                        "node is built by dlpipe.tasks.loaders.loader_settings)")
+                        "node is built by dlpipe.loader.fitting.loader_settings)")
     asked = dict(zip(NORMALISED, (pin_memory, prefetch_factor, persistent_workers, timeout, multiprocessing_context),
                      strict=True))
     asked_method = worker_method

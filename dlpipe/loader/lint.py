@@ -77,7 +77,7 @@ def lint_loader(loader: LoaderConfig, epochs: int, facts: LoaderFacts) -> list[s
 
 def lint_job(cfg: DlpipeConfig, train_size: int, batch_bytes: int, cpu_budget: int) -> list[str]:
     """The lint for a job's config on this machine."""
-    from dlpipe.hardware import shm_free_bytes, world_size
+    from dlpipe.machine.hardware import shm_free_bytes, world_size
 
     facts = LoaderFacts(
         cpu_budget=cpu_budget, cuda=cfg.trainer.device.startswith("cuda"), train_size=train_size,

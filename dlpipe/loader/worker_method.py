@@ -53,8 +53,8 @@ def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: 
     CPU memory of a model already built in this process (its pages are never written by a worker)."""
     if not loader.num_workers or not len(train_set):  # type: ignore[arg-type]
         return replace(loader, worker_method="process")  # no workers: nothing to decide, PyTorch's default
-    from dlpipe.hardware import memory_available_bytes, shm_free_bytes
     from dlpipe.loader.build import batch_bytes
+    from dlpipe.machine.hardware import memory_available_bytes, shm_free_bytes
     from dlpipe.training import rng
 
     state = rng.capture()  # every fetch below may draw: the run's streams stay as they were

@@ -1,0 +1,1 @@
+"""The built-in models the recipes train (CNN, MLP, causal transformer)."""

@@ -7,16 +7,19 @@ child MLflow run and the sweep's parent gets the comparison table (the classic
 
 import logging
 
-from dlpipe import hardware
-from dlpipe.tasks.common import JobContext, config_params, open_run, prepare_measurement, run_tags
+from dlpipe.machine import hardware
+from dlpipe.tasks.measurement import prepare_measurement
+from dlpipe.tasks.params import config_params
+from dlpipe.tasks.preflight import JobContext
+from dlpipe.tasks.tracking_run import open_run, run_tags
 
 log = logging.getLogger("dlpipe")
 
 
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     """Measure the configured loader; returns samples/s."""
+    from dlpipe.judging.evidence import bench_mode, measurement_file, settings_of
     from dlpipe.loader.measure import describe, measure
-    from dlpipe.tasks.evidence import bench_mode, measurement_file, settings_of
 
     job = prepare_measurement(ctx, raw, resolved)
     cfg, bench, loader = job.cfg, job.cfg.bench, job.plan.loader
@@ -38,7 +41,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
             job.sampler.stop()
         metrics = result.metrics()
         tracked.log_metrics(metrics, step=0)
-    # for the advice of later runs of this job (tasks.evidence)
+    # for the advice of later runs of this job (judging.evidence)
     measurement_file(cfg, job.budget.budget, bench_mode(cfg)).append(settings_of(loader), metrics["samples_per_s"],
                                                                      "dlpipe bench")
     print(f"bench: {describe(metrics)}", flush=True)

@@ -1,5 +1,5 @@
 """Objects from a validated config: dataset splits, model, optimizer, objective, metrics, callbacks and
-schedule (the DataLoaders are tasks.loaders').
+schedule (the DataLoaders are loader.fitting's).
 
 Everything here runs before a tracking run exists, so every user mistake it finds (a class that
 does not build, a device this machine lacks, a batch size that leaves no batch) is a ConfigError
@@ -10,21 +10,10 @@ import copy
 import logging
 
 from dlpipe.errors import ConfigError, DlpipeError
+from dlpipe.instantiate import instantiate_group
 from dlpipe.schema import DlpipeConfig
 
 log = logging.getLogger("dlpipe")
-
-
-def instantiate_group(group: str, node: dict, **extra):
-    from hydra.utils import instantiate
-
-    try:
-        return instantiate(node, **extra)
-    except DlpipeError:
-        raise
-    except Exception as e:  # a user's class may raise anything: name the group and target
-        cause = e.__cause__ or e  # Hydra wraps the constructor's exception
-        raise ConfigError([f"{group}._target_={node.get('_target_')}: {type(cause).__name__}: {cause}"]) from e
 
 
 def check_device(device: str) -> None:

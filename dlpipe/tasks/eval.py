@@ -8,9 +8,11 @@ a run's checkpoint reproduces that run's validation numbers for the epoch it was
 
 import logging
 
-from dlpipe import hardware
 from dlpipe.errors import ConfigError
-from dlpipe.tasks.common import JobContext, flatten, open_run, preflight, recorded_config, run_tags
+from dlpipe.machine import hardware
+from dlpipe.tasks.params import flatten, recorded_config
+from dlpipe.tasks.preflight import JobContext, preflight
+from dlpipe.tasks.tracking_run import open_run, run_tags
 
 log = logging.getLogger("dlpipe")
 
@@ -21,8 +23,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
 
     from dlpipe.loader.faults import NamedErrors
     from dlpipe.loader.fetch import item_collate
+    from dlpipe.loader.fitting import build_loaders
     from dlpipe.tasks.build import build_data_and_model, build_objective_and_metrics, validation_view
-    from dlpipe.tasks.loaders import build_loaders
     from dlpipe.training.evaluate import evaluate
     from dlpipe.training.net import autocast_for
     from dlpipe.training.resume import init_weights

@@ -8,22 +8,24 @@ result. It builds no model, opens no tracking run and writes nothing (the CLI ru
 output folder).
 """
 
-from dlpipe import hardware
 from dlpipe.config.decisions import explain
 from dlpipe.config.validation import validate
 from dlpipe.loader import policy
+from dlpipe.loader.fitting import loader_notes
+from dlpipe.machine import hardware
 from dlpipe.redact import redact_overrides
 from dlpipe.schema import DlpipeConfig, LoaderConfig
-from dlpipe.tasks.common import JobContext, loader_notes, recorded_config
+from dlpipe.tasks.params import recorded_config
+from dlpipe.tasks.preflight import JobContext
 
 DEVICE_KEYS = ("trainer.device", "trainer.amp")
 
 
 def run(ctx: JobContext, raw: dict, resolved: dict) -> None:
     """Print the plan of the job these overrides make."""
+    from dlpipe.loader.fitting import build_loaders, fit_loader_to_data
     from dlpipe.loader.lint import lint_job
     from dlpipe.tasks.build import build_datasets
-    from dlpipe.tasks.loaders import build_loaders, fit_loader_to_data
     from dlpipe.training.distributed import ranks_from_env
     from dlpipe.training.rng import seed_everything
 
@@ -98,8 +100,8 @@ def dataloader_line(loader: LoaderConfig, plan) -> str:
 def measured_lines(cfg: DlpipeConfig, cpu_budget: int) -> list[str]:
     """What dlpipe has measured of this job (the evidence its advice will be checked against): the
     best figure of each loader setting, per way of measuring, fastest first."""
-    from dlpipe.tasks.evidence import measurement_file
-    from dlpipe.telemetry.advice import MODES
+    from dlpipe.judging.advice import MODES
+    from dlpipe.judging.evidence import measurement_file
 
     lines = []
     for mode, how in MODES.items():

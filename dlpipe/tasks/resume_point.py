@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 
 from dlpipe.redact import MASK, redact_overrides, redact_text
-from dlpipe.tasks.common import JobContext
+from dlpipe.tasks.preflight import JobContext
 
 log = logging.getLogger("dlpipe")
 

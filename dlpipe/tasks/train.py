@@ -19,7 +19,8 @@ from dlpipe.console import summary_table
 from dlpipe.redact import redact_text
 from dlpipe.schema import DlpipeConfig, TrackingConfig
 from dlpipe.stop import ignore_termination, stop_gracefully
-from dlpipe.tasks.common import JobContext, open_run, preflight, start_tracking
+from dlpipe.tasks.preflight import JobContext, preflight
+from dlpipe.tasks.tracking_run import open_run, start_tracking
 from dlpipe.tasks.train_job import build_job
 from dlpipe.training import distributed
 

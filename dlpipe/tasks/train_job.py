@@ -13,27 +13,22 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from dlpipe import hardware
 from dlpipe.errors import DataError, DlpipeError, first_line
+from dlpipe.loader.fitting import fit_loader, warn_about_loaders
+from dlpipe.machine import hardware
+from dlpipe.machine.gpu import gpu_for
 from dlpipe.schema import DlpipeConfig
 from dlpipe.stop import StopTraining, Terminated
-from dlpipe.tasks.common import (
-    JobContext,
-    fit_loader,
-    flatten,
-    gpu_for,
-    job_params,
-    recorded_config,
-    run_tags,
-    warn_about_loaders,
-)
+from dlpipe.tasks.params import flatten, job_params, recorded_config
+from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.resume_point import checkpoint_folder, resume_hint, resume_point, save_stop_checkpoint
+from dlpipe.tasks.tracking_run import run_tags
 from dlpipe.tracking.dataset_input import describe as describe_dataset
 
 if TYPE_CHECKING:  # torch-heavy modules, imported when a job is built
+    from dlpipe.judging.advice import Evidence
+    from dlpipe.judging.journal import MeasurementFile
     from dlpipe.loader.build import LoaderPlan
-    from dlpipe.loader.journal import MeasurementFile
-    from dlpipe.telemetry.advice import Evidence
     from dlpipe.telemetry.profiling import AllocationSnapshot, StepProfiler
     from dlpipe.telemetry.sampler import ResourceSampler
     from dlpipe.training.checkpoint import CheckpointStore
@@ -126,9 +121,9 @@ class TrainJob:
         return self.trainer.fit(self.loader, self.val_plan.loader if self.val_plan else None)
 
     def judge(self, metrics: dict[str, float], warm: bool):
+        from dlpipe.judging.verdict import diagnose
         from dlpipe.loader.fetch import fetch_mode
         from dlpipe.loader.threads import worker_method_of
-        from dlpipe.telemetry.verdict import diagnose
 
         loader = self.loader
         return diagnose(metrics, num_workers=loader.num_workers, cpu_budget=self.cpu_budget,
@@ -221,8 +216,8 @@ class TrainJob:
 
     def record_outcome(self, run, history: list[dict[str, float]]):
         """The run's verdict, worker-memory warning and end tags; returns the verdict."""
-        from dlpipe.tasks.evidence import settings_of
-        from dlpipe.telemetry.verdict import rss_slope, run_metrics, worker_leak
+        from dlpipe.judging.evidence import settings_of
+        from dlpipe.judging.verdict import rss_slope, run_metrics, worker_leak
 
         measured = run_metrics(history)
         verdict = self.judge(measured, warm=len(history) > 1)  # run_metrics leaves the first epoch out
@@ -253,7 +248,9 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
               before_measuring=None) -> TrainJob:
     """Data, model, loaders, trainer, telemetry and checkpoint store, and the run's params and tags.
     `before_measuring` is called before the loader is fitted to the data (which may time it)."""
+    from dlpipe.judging.evidence import gather, measurement_file
     from dlpipe.loader.fetch import item_collate
+    from dlpipe.loader.fitting import build_loaders
     from dlpipe.tasks.build import (
         build_callbacks,
         build_data_and_model,
@@ -262,8 +259,6 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
         metric_direction,
         monitor_mode,
     )
-    from dlpipe.tasks.evidence import gather, measurement_file
-    from dlpipe.tasks.loaders import build_loaders
     from dlpipe.training.accumulation import epoch_batches, optimizer_steps
     from dlpipe.training.checkpoint import CheckpointStore
     from dlpipe.training.rng import seed_everything

@@ -15,14 +15,17 @@ from pathlib import Path
 
 import yaml
 
-from dlpipe import hardware
-from dlpipe.disk import write_atomic, write_failure
 from dlpipe.errors import DlpipeError
 from dlpipe.loader import policy
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard
+from dlpipe.machine import hardware
+from dlpipe.machine.disk import write_atomic, write_failure
 from dlpipe.schema import DlpipeConfig
 from dlpipe.stop import Terminated, Unbroken
-from dlpipe.tasks.common import JobContext, config_params, open_run, prepare_measurement, run_tags, settings_params
+from dlpipe.tasks.measurement import prepare_measurement
+from dlpipe.tasks.params import config_params, settings_params
+from dlpipe.tasks.preflight import JobContext
+from dlpipe.tasks.tracking_run import open_run, run_tags
 
 log = logging.getLogger("dlpipe")
 
@@ -91,7 +94,7 @@ def dataset_options(cfg: DlpipeConfig, train_set) -> dict[str, bool]:
     its per-item collate, threads unless it draws from the global RNGs (loader.worker_method)."""
     from dlpipe.loader import worker_method
     from dlpipe.loader.fetch import find_gather
-    from dlpipe.tasks.loaders import build_collate
+    from dlpipe.loader.fitting import build_collate
 
     if not len(train_set):
         return {"gathers": False, "tune_threads": False}
@@ -112,9 +115,9 @@ def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_
               done: dict[Candidate, Trial]):
     """evaluate(candidate) -> Trial for the search: the memory guard, the measurement, a log line
     and a child MLflow run per measured candidate; each trial also goes into `done` once measured."""
+    from dlpipe.judging.evidence import bench_mode, measurement_file
+    from dlpipe.loader.fitting import loader_settings
     from dlpipe.loader.measure import describe
-    from dlpipe.tasks.evidence import bench_mode, measurement_file
-    from dlpipe.tasks.loaders import loader_settings
     from dlpipe.tracking.run import MlflowRun
 
     bench, tracking = cfg.bench, cfg.tracking
@@ -214,7 +217,7 @@ def header(cfg: DlpipeConfig, budget, result: TuneResult) -> str:
     """The comment header of the written file: what it was tuned on and what it measured."""
     from datetime import datetime
 
-    from dlpipe.gpu import gpu_summary
+    from dlpipe.machine.gpu import gpu_summary
 
     devices, _ = gpu_summary()
     gpu = ", ".join(d.name for d in devices) or "none"

@@ -15,8 +15,8 @@ import traceback
 from pathlib import Path
 from typing import NamedTuple
 
-from dlpipe import disk
 from dlpipe.errors import ConfigError
+from dlpipe.machine import disk
 from dlpipe.tracking.store_lock import sqlite_path
 
 HYDRA_READS = ("config_loader", "config_source", "config_repository")  # Hydra's modules that read config files
@@ -51,7 +51,7 @@ def written_folders(output_dir: Path, multirun: bool, resolved: dict) -> list[Ta
 
 
 def check_writable(ctx, resolved: dict) -> None:
-    """Raise a ConfigError with one line per folder the job (`ctx`: a tasks.common.JobContext) would
+    """Raise a ConfigError with one line per folder the job (`ctx`: a tasks.preflight.JobContext) would
     fail to write; a folder inside one already named is not named again."""
     from dlpipe.training.distributed import ranks_from_env
 

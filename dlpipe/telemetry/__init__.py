@@ -1,0 +1,1 @@
+"""Measuring a running job: the resource sampler (CPU, memory, GPU, workers) and the profilers."""

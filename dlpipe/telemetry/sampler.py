@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from dlpipe import gpu, hardware
+from dlpipe.machine import gpu, hardware
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,10 @@ from pathlib import Path
 
 import psutil
 
-from dlpipe.disk import write_atomic
 from dlpipe.errors import first_line
+from dlpipe.machine.disk import write_atomic
 from dlpipe.redact import without_password
 from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, clipped, compared_params, set_aside, set_aside_for
-from dlpipe.tracking.sidecar import MODULE as SIDECAR_MODULE
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +39,10 @@ MARKER_FILE = "mlflow_run.json"
 END_REASON_TAG = "dlpipe.end_reason"
 OWNER_TAG = "dlpipe.owner"  # the process that keeps the run (Owner's fields, JSON): the run's own copy
 FOLDER_TAGS = ("dlpipe.output_dir", "dlpipe.sweep_dir")  # the folder a run records itself in (absolute)
+# The tracking process's `python -m` name (tracking.sidecar.MODULE), written out: the tracking process
+# runs MlflowRun, which reads this module, so importing it here would close a circle (test_sidecar
+# holds the copies equal).
+SIDECAR_MODULE = "dlpipe.tracking.sidecar"
 PREVIOUS_WAIT_S = 120.0  # for an earlier job's tracking process to end its run (wait_for_previous_tracking)
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from dlpipe.disk import write_atomic, write_failure
 from dlpipe.errors import causes, first_line
+from dlpipe.machine.disk import write_atomic, write_failure
 from dlpipe.redact import without_password
 from dlpipe.tracking.dataset_input import log_inputs
 from dlpipe.tracking.http_probe import http_silence

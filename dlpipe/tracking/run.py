@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 2.0  # a connect attempt while the server is away: bounds the stall of a flush
 MAX_PENDING_METRICS = 20000  # flush mid-epoch beyond this, so a very long epoch holds bounded memory
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
-PARENT_RUN_ENV = "DLPIPE_PARENT_RUN_ID"  # the sweep parent's run id, set by tracking.sweep for its jobs
+PARENT_RUN_ENV = "DLPIPE_PARENT_RUN_ID"  # the sweep parent's run id, set by sweeps.callback for its jobs
 
 
 class MlflowRun:

@@ -9,9 +9,8 @@ import json
 import os
 
 from dlpipe.redact import redact_overrides, redact_text
-from dlpipe.tracking.sweep_jobs import override_key
 
-SWEPT_KEYS_ENV = "DLPIPE_SWEPT_KEYS"  # the sweep's swept keys (JSON), set by tracking.sweep for its jobs
+SWEPT_KEYS_ENV = "DLPIPE_SWEPT_KEYS"  # the sweep's swept keys (JSON), set by sweeps.callback for its jobs
 # Settings that say nothing about the run: how it is printed and where it is tracked.
 NOT_NAMED = ("recipe", "trainer.progress", "tracking.", "hydra.")
 
@@ -58,3 +57,8 @@ def swept_keys_of_parent() -> list[str] | None:
     except ValueError:
         return None
     return keys if isinstance(keys, list) else None
+
+
+def override_key(override: str) -> str:
+    """`+loader.pin_memory=true` -> `loader.pin_memory`: the config key, as params name it."""
+    return override.partition("=")[0].lstrip("+~")

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dlpipe.disk import write_failure
 from dlpipe.errors import DlpipeError
+from dlpipe.machine.disk import write_failure
 
 # Temp files are dot-files ending in ".<pid>.tmp" (see _temp_path); nothing else in a checkpoint
 # directory matches, so clean_stale cannot delete a user's file.

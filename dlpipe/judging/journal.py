@@ -1,5 +1,5 @@
 """What dlpipe measured about a job's loader, kept across runs: the evidence its advice is checked
-against (telemetry.advice), so it never suggests a setting it has already measured slower.
+against (judging.advice), so it never suggests a setting it has already measured slower.
 
 `dlpipe bench`, each `dlpipe tune` trial and each training run append one JSON line per measurement
 to telemetry.measurements_file (default ~/.cache/dlpipe/measurements.jsonl). A line holds:

@@ -10,6 +10,7 @@ No Hydra, no MLflow imports: the inputs are MLflow `Run`-like objects and plain 
 from dataclasses import dataclass, field
 
 from dlpipe.tracking.metric_names import dlpipe_names
+from dlpipe.tracking.run_names import override_key
 
 REQUESTED_PREFIX = "requested."  # + config key: the value asked for, where the run used another
 
@@ -39,11 +40,6 @@ class Job:
 def split_overrides(text: str) -> list[str]:
     """The overrides of a `dlpipe.overrides` tag (space-joined; "none" when there were none)."""
     return [] if text.strip() == "none" else text.split()
-
-
-def override_key(override: str) -> str:
-    """`+loader.pin_memory=true` -> `loader.pin_memory`: the config key, as params name it."""
-    return override.partition("=")[0].lstrip("+~")
 
 
 def one_line(text: str) -> str:

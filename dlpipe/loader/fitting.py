@@ -9,9 +9,9 @@ import logging
 from dataclasses import replace
 
 from dlpipe.errors import ConfigError
+from dlpipe.instantiate import instantiate_group
 from dlpipe.loader import policy
 from dlpipe.schema import DlpipeConfig, LoaderConfig
-from dlpipe.tasks.build import instantiate_group
 
 log = logging.getLogger("dlpipe")
 
@@ -24,7 +24,7 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
     to its per-item collate (loader.fetch). Values the user set stand (the lint and `dlpipe tune` can question
     them). `model`: the model, when it is already built (its memory is not the workers'). Returns the
     loader settings and the reason for each value decided here."""
-    from dlpipe.config.decisions import prefetch, workers_for_data
+    from dlpipe.loader.decisions import prefetch, workers_for_data
     from dlpipe.loader.probe import item_fetch_seconds
 
     reasons = {}
@@ -127,3 +127,36 @@ def build_loaders(cfg: DlpipeConfig, train_set, val_set, rank: int = 0, world: i
                   persistent_workers=False)
         val = build_loader(val_set, **lc, seed=seed, cuda=cuda, role="val", rank=rank, world=world)
     return train, val
+
+
+def fit_loader(raw: dict, cfg: DlpipeConfig, train_set, decided: dict[str, str], world: int = 1,
+               model=None) -> None:
+    """The automatic loader values fitted to the built training split (fit_loader_to_data;
+    `model` where already built): cfg.loader updated, each new reason logged and recorded."""
+    cfg.loader, reasons = fit_loader_to_data(raw["loader"], cfg.loader, cfg.trainer.epochs, train_set, world, model)
+    for key, why in reasons.items():
+        if decided.get(key) != why:  # said once: the resolver's reason stands when it already knew
+            decided[key] = why
+            log.info("%s = %s", key, why)
+
+
+def warn_about_loaders(cfg: DlpipeConfig, train_set, plans, cpu_budget: int) -> None:
+    """Each loader's build notes, then the pre-flight lint of the training loader."""
+    from dlpipe.loader.lint import lint_job
+
+    for note in loader_notes(plans):
+        log.warning(note)
+    for line in lint_job(cfg, len(train_set), plans[0].batch_bytes, cpu_budget):
+        log.warning("lint: %s", line)
+
+
+def loader_notes(plans) -> list[str]:
+    """The loaders' build notes, each said once with the loaders it applies to ('train, val: ...'):
+    a setting dropped for both is one change, and a task with only a training loader (bench, tune)
+    says the same words as training does."""
+    roles: dict[str, list[str]] = {}
+    for plan in plans:
+        for note in plan.notes if plan else ():
+            role, _, text = note.partition(": ")
+            roles.setdefault(text, []).append(role)
+    return [f"{', '.join(where)}: {text}" for text, where in roles.items()]

@@ -1,4 +1,4 @@
-"""Facts about the machine a run actually gets: CPU budget, shared memory and RAM (GPUs: `dlpipe.gpu`).
+"""Facts about the machine a run actually gets: CPU budget, shared memory and RAM (GPUs: `dlpipe.machine.gpu`).
 
 Nothing is read or initialised at import time and torch is never imported, so config resolvers
 can import this module cheaply.
@@ -16,9 +16,9 @@ from dataclasses import dataclass, fields
 
 import psutil
 
-from dlpipe import cgroups
-from dlpipe.budget_share import Sharing, current_sharing
-from dlpipe.gpu import gpu_summary
+from dlpipe.machine import cgroups
+from dlpipe.machine.budget_share import Sharing, current_sharing
+from dlpipe.machine.gpu import gpu_summary
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class CpuBudget:
     """Each rank is a Slurm task of its own (srun with one task per GPU, as submitit launches them):
     SLURM_CPUS_PER_TASK is then already per rank and only the node-wide limits are divided."""
     sharing_jobs: int
-    """dlpipe jobs on these CPUs the budget is divided between, this one included (`dlpipe.budget_share`:
+    """dlpipe jobs on these CPUs the budget is divided between, this one included (`dlpipe.machine.budget_share`:
     the live jobs it found, or the sweep launcher's jobs at once); 1 when it was not divided."""
     budget: int
     """Per-rank CPUs: max(1, min(affinity, ceil(cgroup_cpus), slurm_cpus) // local_world_size // sharing_jobs);

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
-from dlpipe.tracking.sweep_jobs import Job, best_job, same_settings_notes
+from dlpipe.sweeps.jobs import Job, best_job, same_settings_notes
 
 
 class Panel(NamedTuple):

@@ -3,7 +3,7 @@
 The parent's id reaches the jobs through an environment variable, which every launcher passes on:
 the basic launcher runs jobs in this process, submitit's local and Slurm executors inherit the
 submitting environment. At the end the parent gets a comparison table (sweep_summary.md), the same
-numbers as bar charts (sweep_summary.png; from tracking/sweep_jobs, sweep_report and sweep_chart) and
+numbers as bar charts (sweep_summary.png; from sweeps.jobs, sweeps.report and sweeps.chart) and
 the best job's name.
 
 The parent is recorded in the sweep's folder (`mlflow_run.json`, tracking.abandoned), so a sweep
@@ -28,19 +28,19 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dlpipe.disk import unwritable
+from dlpipe.machine.disk import unwritable
 from dlpipe.redact import redact_overrides, without_password
 from dlpipe.stop import STOP_SIGNALS, hold_or_raise
+from dlpipe.sweeps.advice import CHECK_TAG, withdrawn_advice
+from dlpipe.sweeps.chart import sweep_plot
+from dlpipe.sweeps.jobs import Job, best_job, sweep_jobs
+from dlpipe.sweeps.report import sweep_table
 from dlpipe.tracking.abandoned import END_REASON_TAG, FOLDER_TAGS, Owner, close_previous, read_marker, write_marker
 from dlpipe.tracking.client import client_for, experiment_id
 from dlpipe.tracking.context_tags import context_tags
 from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG
-from dlpipe.tracking.run_names import SWEPT_KEYS_ENV, sweep_name
+from dlpipe.tracking.run_names import SWEPT_KEYS_ENV, override_key, sweep_name
 from dlpipe.tracking.store_lock import absolute_uri
-from dlpipe.tracking.sweep_advice import CHECK_TAG, withdrawn_advice
-from dlpipe.tracking.sweep_chart import sweep_plot
-from dlpipe.tracking.sweep_jobs import Job, best_job, override_key, sweep_jobs
-from dlpipe.tracking.sweep_report import sweep_table
 
 log = logging.getLogger("dlpipe")
 
@@ -247,7 +247,7 @@ class SweepTracking(Callback):
         return best_job(jobs), table
 
     def _check_advice(self, jobs: list[Job], children) -> None:
-        """Withdraw each job's advice that another job of the sweep ran no faster (sweep_advice): tag
+        """Withdraw each job's advice that another job of the sweep ran no faster (sweeps.advice): tag
         the advising job and say it under the table. An extra, like the chart."""
         try:
             withdrawn = withdrawn_advice(children, {j.run_id: j.name for j in jobs if j.run_id})

@@ -1,4 +1,4 @@
-"""A sweep's jobs side by side as a markdown table (sweep_jobs names the jobs; sweep_chart draws them).
+"""A sweep's jobs side by side as a markdown table (sweeps.jobs names the jobs; sweeps.chart draws them).
 
 A cell is the job's last logged value of a metric (MLflow keeps the latest step, here the last
 epoch). The table stays whole whatever a name holds: MLflow's UI and markdown viewers split a row
@@ -8,7 +8,7 @@ and notes under the table say which jobs ran the same settings. No Hydra or MLfl
 
 import re
 
-from dlpipe.tracking.sweep_jobs import Job, numbers, same_settings_notes
+from dlpipe.sweeps.jobs import Job, numbers, same_settings_notes
 
 # (column title, metric) for the sweep table
 COLUMNS = [

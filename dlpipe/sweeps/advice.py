@@ -8,7 +8,7 @@ journal's MIN_GAIN) is withdrawn: the advising job gets a `dlpipe.advice_check` 
 sweep prints it. No torch here.
 """
 
-from dlpipe.loader.journal import MIN_GAIN
+from dlpipe.judging.journal import MIN_GAIN
 from dlpipe.tracking.metric_names import mlflow_name
 
 ADVICE_TAG = "dlpipe.advice"

@@ -5,7 +5,7 @@ The measurements, in the order they count:
 - the run's own epoch: data wait, epoch time and samples give the wait and the other work per item;
   with no workers the wait *is* the main process fetching and collating items;
 - the probe (loader.probe): seconds per item fetched and collated in the main process;
-- the measurement journal (loader.journal): what training runs, `dlpipe bench` and `dlpipe tune`
+- the measurement journal (judging.journal): what training runs, `dlpipe bench` and `dlpipe tune`
   measured for other settings of the same job.
 No torch here.
 """
@@ -13,8 +13,8 @@ No torch here.
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dlpipe.judging.journal import MIN_GAIN, Journal
 from dlpipe.loader import policy
-from dlpipe.loader.journal import MIN_GAIN, Journal
 
 MODES = {"epoch": "a training run", "step": "dlpipe bench/tune (train mode)", "loader": "dlpipe bench/tune"}
 
@@ -26,7 +26,7 @@ class Evidence:
     item_fetch_s: float | None = None
     """Seconds per item fetched and collated in the main process, by the probe (None: not probed)."""
     journals: dict[str, Journal] = field(default_factory=dict)
-    """mode -> this job's earlier measurements in that mode (loader.journal)."""
+    """mode -> this job's earlier measurements in that mode (judging.journal)."""
     probe: Callable[[], float | None] | None = None
     """Measures item_fetch_s the first time an advice depends on it: the probe fetches items in the
     main process, which only an input-bound epoch with workers needs."""

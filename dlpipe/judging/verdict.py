@@ -11,10 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from statistics import fmean
 
-from dlpipe.hardware import recommended_workers
-from dlpipe.loader import policy
-from dlpipe.loader.journal import MIN_GAIN, effective
-from dlpipe.telemetry.advice import (
+from dlpipe.judging.advice import (
     Evidence,
     Finding,
     PerItem,
@@ -26,6 +23,9 @@ from dlpipe.telemetry.advice import (
     more_workers_gain,
     wait_bound,
 )
+from dlpipe.judging.journal import MIN_GAIN, effective
+from dlpipe.loader import policy
+from dlpipe.machine.hardware import recommended_workers
 
 INPUT_BOUND = 0.20
 CPU_SATURATED = 85.0
@@ -92,7 +92,7 @@ def diagnose(metrics: dict[str, float], *, num_workers: int, cpu_budget: int, pi
              warm: bool = True) -> Verdict:
     """The bottleneck of one epoch (or of a run, given epoch means), with advice that no measurement
     in `evidence` (the probe, the measurement journal) contradicts. `warm`: the metrics leave out the
-    first epoch's start-up, so they compare with earlier runs' (loader.journal files such runs)."""
+    first epoch's start-up, so they compare with earlier runs' (judging.journal files such runs)."""
     job = Judged(metrics, LoaderState(num_workers, cpu_budget, pin_memory, prefetch_factor, persistent_workers,
                                       fetch, worker_method), evidence or Evidence(), warm)
     wait, h2d = metrics.get("data_wait_frac", 0.0), metrics.get("h2d_frac", 0.0)

@@ -1,13 +1,13 @@
 """The measurements a job's advice is checked against, gathered and recorded for train, bench and tune:
-the probe of the built training split and this job's lines in the measurement journal (loader.journal).
+the probe of the built training split and this job's lines in the measurement journal (judging.journal).
 """
 
 import logging
 import socket
 
-from dlpipe.loader.journal import MeasurementFile, job_key, model_key
+from dlpipe.judging.advice import MODES, Evidence
+from dlpipe.judging.journal import MeasurementFile, job_key, model_key
 from dlpipe.schema import DlpipeConfig
-from dlpipe.telemetry.advice import MODES, Evidence
 
 log = logging.getLogger("dlpipe")
 

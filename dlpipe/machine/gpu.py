@@ -8,6 +8,7 @@ reported as a fake 0%.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -132,3 +133,10 @@ def gpu_summary() -> tuple[list[GpuInfo], str | None]:
     if not devices:
         return [], "NVML reports no GPUs"
     return devices, None
+
+
+def gpu_for(device: str) -> int | str | None:
+    """The NVML device to sample for a torch device string (None off CUDA)."""
+    if not device.startswith("cuda"):
+        return None
+    return nvml_index(int(device.partition(":")[2] or 0), os.environ)

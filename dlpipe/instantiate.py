@@ -1,0 +1,20 @@
+"""A user's `_target_` node built into an object with Hydra's instantiate, a failure named by its
+config group in one line (`model._target_=mypkg.Net: TypeError: ...`).
+
+In the base layer because both the task builders (dataset, model, loss, metrics, callbacks,
+scheduler) and the loader's fit (loader.collate_fn) build user nodes.
+"""
+
+from dlpipe.errors import ConfigError, DlpipeError
+
+
+def instantiate_group(group: str, node: dict, **extra):
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, **extra)
+    except DlpipeError:
+        raise
+    except Exception as e:  # a user's class may raise anything: name the group and target
+        cause = e.__cause__ or e  # Hydra wraps the constructor's exception
+        raise ConfigError([f"{group}._target_={node.get('_target_')}: {type(cause).__name__}: {cause}"]) from e

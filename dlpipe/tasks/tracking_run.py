@@ -1,0 +1,78 @@
+"""The job's tracking run: its tags, the tracking process started early, and the run opened in it
+(or in this process, or a NullRun with tracking=none) as a context manager that always ends it.
+"""
+
+import logging
+import os
+import socket
+
+from dlpipe.config.tracking_checks import env_tags
+from dlpipe.errors import DlpipeError, first_line
+from dlpipe.redact import redact_overrides, redact_text
+from dlpipe.schema import TrackingConfig
+from dlpipe.stop import Unbroken
+from dlpipe.tasks.preflight import JobContext
+from dlpipe.tracking.context_tags import context_tags
+from dlpipe.tracking.outbox import OUTBOX_FILE
+from dlpipe.tracking.run import PARENT_RUN_ENV
+
+log = logging.getLogger("dlpipe")
+
+
+def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
+    """Tags every dlpipe run carries (overrides redacted: they may hold a tracking password)."""
+    return {
+        **env_tags(),  # MLFLOW_TAGS: the user's, under dlpipe's own
+        "dlpipe.recipe": ctx.recipe or "none",
+        "dlpipe.overrides": " ".join(redact_overrides(ctx.overrides)) or "none",
+        "dlpipe.host": socket.gethostname(),
+        "dlpipe.output_dir": str(ctx.output_dir),
+        **context_tags(),  # MLflow's own run context: who ran what, from where
+        **extra,
+    }
+
+
+def start_tracking(tracking: TrackingConfig):
+    """The tracking process (tracking.sidecar), started before the job is built so that importing
+    mlflow and opening the store overlap the build; None with tracking off. open_run opens the
+    run in it; close() it if the job ends before."""
+    if not tracking.enabled:
+        return None
+    from dlpipe.tracking.sidecar_run import SidecarRun
+
+    return SidecarRun.start(tracking.uri, tracking.request_timeout_s, tracking.request_retries)
+
+
+def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], resume_run_id: str | None = None,
+             sidecar=None):
+    """The job's MLflow run (a NullRun with tracking=none), as a context manager that ends it: kept
+    in `sidecar` (start_tracking) when given, else in this process."""
+    from dlpipe.tracking.null_run import NullRun
+    from dlpipe.tracking.run import MlflowRun
+
+    if not tracking.enabled:
+        return NullRun()
+    from dlpipe.tracking.run_names import job_name, swept_keys_of_parent
+
+    # Named by what distinguishes it (tracking.run_names): in a sweep, its swept values
+    swept = swept_keys_of_parent() if ctx.multirun else None
+    name = redact_text(tracking.run_name) if tracking.run_name else job_name(ctx.recipe, ctx.overrides, swept)
+    args = dict(uri=tracking.uri, experiment=tracking.experiment, run_name=name, tags=tags,
+                parent_run_id=os.environ.get(PARENT_RUN_ENV) if ctx.multirun else None,
+                timeout_s=tracking.request_timeout_s, retries=tracking.request_retries,
+                resume_run_id=resume_run_id, outbox_path=ctx.output_dir / OUTBOX_FILE,
+                retry_every_s=tracking.retry_every_s, offline_wait_s=tracking.offline_wait_s,
+                marker_dir=ctx.output_dir)
+    if sidecar is not None:
+        return Unbroken(lambda: sidecar.open(**args))
+
+    def start():
+        try:
+            return MlflowRun(**args)
+        except DlpipeError:
+            raise
+        except Exception as e:  # MLflow raises many types for a bad URI or an unreachable server
+            raise DlpipeError(f"tracking.uri={redact_text(tracking.uri)}: cannot start an MLflow run "
+                              f"({redact_text(first_line(e))}); use tracking=none to train without tracking") from e
+
+    return Unbroken(start)  # a stop signal while it opens or ends leaves no run RUNNING
