@@ -1,6 +1,6 @@
 """The `${auto_workers:}` resolver under a CPU quota: the config's num_workers follows the cgroup.
 
-In process, over README's "Workers per budget" table: a composed config resolves num_workers while
+In process, over the "Workers per budget" table (docs/loader.md): a composed config resolves num_workers while
 `hardware.cpu_budget` (what the resolver calls) reads a fake cgroup tree. Then for real: `dlpipe
 +recipe=smoke --cfg job --resolve` runs inside a cgroup with a CPU quota (we are root; the cgroups
 are removed afterwards), flat and nested, against one without a quota.
@@ -26,7 +26,7 @@ from test_hardware import fake_host
 
 from dlpipe.machine import hardware
 
-# README, "Workers per budget": 1 -> 0, 2 -> 2, 3-4 -> budget - 1, 5-8 -> budget - 2,
+# docs/loader.md, "Workers per budget": 1 -> 0, 2 -> 2, 3-4 -> budget - 1, 5-8 -> budget - 2,
 # 9-15 -> budget // 2 (at least 6), 16+ -> 8.
 README_WORKERS = {1: 0, 2: 2, 3: 2, 4: 3, 5: 3, 6: 4, 7: 5, 8: 6, 9: 6, 10: 6, 11: 6, 12: 6, 13: 6, 14: 7, 15: 7,
                   16: 8}

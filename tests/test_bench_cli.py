@@ -51,7 +51,7 @@ def test_bench_sweep_compares_worker_counts(dlpipe, mlflow_store, mlflow_client)
 
 
 def test_the_readme_bench_sweep_runs_every_job_and_records_what_each_loader_got(dlpipe, mlflow_store, mlflow_client):
-    """README's `dlpipe bench --multirun ... loader.num_workers=0,... loader.prefetch_factor=2,4` (made
+    """docs/loader.md's `dlpipe bench --multirun ... loader.num_workers=0,... loader.prefetch_factor=2,4` (made
     small): every job runs; the 0-worker jobs record the prefetch_factor their DataLoader got (none)
     beside the one they asked for, and pinning on the CPU is recorded as off, asked on."""
     r = dlpipe("bench", "--multirun", "+recipe=smoke", "dataset.size=64", "trainer.device=cpu",

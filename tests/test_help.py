@@ -62,7 +62,7 @@ def test_help_lists_commands_recipes_groups_and_keys(dlpipe):
         assert re.search(rf"^  {re.escape(key)} +\w", out, re.M), f"{key} has no line of its own"
     assert unknown_keys(out) == []
     assert "$MLFLOW_TRACKING_URI" in out  # the template's $$ became one dollar
-    assert "dlpipe +recipe=vision loader.num_workers=8" in out  # an example from README's "Use"
+    assert "dlpipe +recipe=vision loader.num_workers=8" in out  # an example from README's "First run"
     for section in SHARED_SECTIONS:
         assert section in out
     assert "task: train" not in out  # not Hydra's default page, which prints the whole config

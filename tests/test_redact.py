@@ -53,7 +53,8 @@ def test_tree_masks_values_under_secret_keys():
 def test_secrets_stay_out_of_the_mlflow_run(dlpipe, tmp_path):
     """A secret and a URI password in a config file and a password in an override never reach
     params, tags or artifacts, nor any byte of the SQLite store, the artifact folder, the output
-    folder (Hydra's .hydra record aside, see README) or the printed output."""
+    folder (Hydra's .hydra record aside: docs/configuration.md, "Secrets and security") or the printed
+    output."""
     from mlflow import MlflowClient
 
     conf = tmp_path / "conf" / "dataset"
@@ -157,7 +158,8 @@ def test_printed_config_masks_secrets_and_stays_yaml(dlpipe, tmp_path, flags):
 
 
 def test_an_override_that_reads_a_secret_from_the_environment_is_kept():
-    """`${oc.env:HF_TOKEN}` holds no secret (the README's advice): kept in tags and printed commands, which
-    then still work; a default after the name may be one, so that is masked."""
+    """`${oc.env:HF_TOKEN}` holds no secret (the advice in docs/configuration.md, "Secrets and security"):
+    kept in tags and printed commands, which then still work; a default after the name may be one, so that
+    is masked."""
     assert redact_overrides(["+dataset.token=${oc.env:HF_TOKEN}", "+dataset.token=${oc.env:HF_TOKEN,hf_abc}"]) == [
         "+dataset.token=${oc.env:HF_TOKEN}", "+dataset.token=***"]

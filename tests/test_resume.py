@@ -93,7 +93,8 @@ def straight_runs(tmp_path_factory, mlflow_store):
 # (the signal, the dataset, the loader of the interrupted run). The main process alone signalled at its
 # 150th fetch (pre-flight and epoch 1 fetch about 110); or, from a persistent worker at its 80th fetch (it
 # fetches 60 or 48 an epoch), the job's whole process group. Or a dataset drawing its augmentation from
-# torch's global RNG, resumed with the same loader (README). The uninterrupted run fetches in the main process.
+# torch's global RNG, resumed with the same loader (docs/checkpoints.md). The uninterrupted run fetches in
+# the main process.
 @pytest.mark.xdist_group("straight-runs")
 @pytest.mark.parametrize("signal_at, data, loader", [
     (["dataset.at=150"], [], []),
@@ -107,8 +108,8 @@ def test_sigterm_mid_epoch_then_resume_logs_every_number_of_a_straight_run(dlpip
     """A real SIGTERM in epoch 2, then the same command: every logged metric that is not a timing or a
     resource sample, epoch by epoch and step by step, equals the uninterrupted run's bitwise: the
     interrupted epoch's train_loss and the train_loss_step whose window the stop cut included. With
-    persistent workers too: this dataset draws no randomness in its workers (README: what differs
-    for one that does)."""
+    persistent workers too: this dataset draws no randomness in its workers (docs/checkpoints.md:
+    what differs for one that does)."""
     from conftest import TESTS_DIR
 
     args = [a.replace("{tests}", str(TESTS_DIR)) for a in SIGNALLED] + data

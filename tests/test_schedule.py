@@ -20,7 +20,7 @@ from dlpipe.training.schedule import Schedule, schedule_length, warmup_cosine, w
 
 
 def closed_form(k: int, lr: float, warmup: int, total: int, ratio: float, shape: str = "cosine") -> float:
-    """The lr of optimizer step k (counted from 1), written out as the README states it."""
+    """The lr of optimizer step k (counted from 1), written out as docs/configuration.md states it."""
     if k <= warmup:
         return lr * k / (warmup + 1)
     progress = (k - 1 - warmup) / (total - 1 - warmup)

@@ -492,7 +492,7 @@ def test_files_in_the_output_folder_name_the_store_absolutely(tmp_path, monkeypa
 def test_credentials_from_every_source_stay_out_of_everything_recorded(tmp_path, server, dlpipe):
     """A token on the command line, a URI password in a config file, a password in a run name and
     one in MLFLOW_TRACKING_URI: none reaches the server's store or artifacts, the output folder
-    (Hydra's .hydra record aside: it keeps the command line, see README) or the printed output."""
+    (Hydra's .hydra record aside: it keeps the command line, see docs/configuration.md) or the printed output."""
     url, root = server
     conf = tmp_path / "conf" / "dataset"
     conf.mkdir(parents=True)
