@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset, Subset, get_worker_info
 
 from dlpipe.errors import user_message
+from dlpipe.loader import worker_method
 from dlpipe.loader.build import build_loader
 from dlpipe.loader.faults import NamedErrors, SampleError, explain_loader_failure
 from dlpipe.loader.threads import ThreadLoader
@@ -241,27 +242,66 @@ class HoldsTheGILFailsInWorkers(HoldsTheGIL):
         return super().__getitem__(i)
 
 
-def test_auto_picks_threads_where_they_scale_and_processes_where_they_cannot():
-    """Sleeping items (I/O: the GIL released) scale with threads; items holding the GIL do not, and N
-    persistent worker processes timed on the same batches beat them; a dataset drawing from a global
-    RNG does not get threads, unless processes are forbidden (a /dev/shm too small), and the reason
-    says what that costs; processes that fail on the probe's batches leave threads."""
-    wrap = lambda d: NamedErrors(Subset(d, range(len(d))))  # noqa: E731 - as training builds it
+class MeasuredProbe:
+    """worker_method.Probe with set timings (seconds for the same batches: in this thread, by the
+    threads, by the processes): the choice is under test, not the clock of a shared machine."""
+
+    threads_differ = False
+    size = 8  # items a probe batch holds
+
+    def __init__(self, serial_s: float, threads: Timed, processes: Timed):
+        self.serial_s, self.threads, self.processes = serial_s, threads, processes
+
+    def __call__(self, dataset, num_workers, batch_size, collate_fn):
+        return self
+
+    def time_processes(self, context):
+        return self.processes
+
+
+def test_auto_picks_threads_where_they_scale_and_processes_where_they_cannot(monkeypatch):
+    """Threads that fetch N workers' worth faster than the main process (I/O: the GIL released) are
+    kept; where they do not, and N processes timed on the same batches are faster, processes."""
+    dataset = NamedErrors(Subset(Augments(size=64), range(64)))  # as training builds it
     two = LoaderConfig(batch_size=8, num_workers=2, persistent_workers=True)
-    method, why = choose(wrap(Augments(size=64, delay_s=0.01)), two, None, forbidden=None)
-    assert method == "thread", why
-    assert why.startswith("2 threads fetched ")
-    assert "as fast as the main process alone (the dataset releases the GIL)" in why
-    method, why = choose(wrap(HoldsTheGIL(size=64)), two, None, forbidden=None)
+    processes = Timed(first_s=0.10, total_s=0.40, batches=8, workers=2)
+    monkeypatch.setattr(worker_method, "Probe", MeasuredProbe(1.0, Timed(0.06, 0.52, 8, 2), processes))
+    assert choose(dataset, two, None, forbidden=None) == (
+        "thread", "2 threads fetched 1.92x as fast as the main process alone (the dataset releases the GIL): as "
+                  "fast as processes, without their memory, start-up and hand-over")
+    monkeypatch.setattr(worker_method, "Probe", MeasuredProbe(1.0, Timed(0.30, 0.95, 8, 2), processes))
+    method, why = choose(dataset, two, None, forbidden=None)
     assert method == "process", why
-    assert f"under {THREAD_SCALING_MIN:g} x 2; timed on the same batches, an epoch of 64 items would take " in why
-    assert why.endswith("s with 2 persistent processes (the dataset holds the GIL)")
-    method, why = choose(wrap(GlobalNoise()), two, None, forbidden=None)
+    # the epoch each would take (Timed.epoch_s: threads start anew each epoch, persistent processes do not)
+    threads_s, processes_s = Timed(0.30, 0.95, 8, 2).epoch_s(64, 8, restarts=True), processes.epoch_s(64, 8, False)
+    assert why == (f"2 threads fetched 1.05x as fast as the main process alone, under {THREAD_SCALING_MIN:g} x 2; "
+                   f"timed on the same batches, an epoch of 64 items would take {threads_s:.2f} s with 2 threads "
+                   f"and {processes_s:.2f} s with 2 persistent processes (the dataset holds the GIL)")
+    slow = Timed(first_s=0.10, total_s=1.30, batches=8, workers=2)  # processes no faster than the threads
+    monkeypatch.setattr(worker_method, "Probe", MeasuredProbe(1.0, Timed(0.30, 0.95, 8, 2), slow))
+    method, why = choose(dataset, two, None, forbidden=None)
+    assert method == "thread" and why.endswith(": threads are as fast, without the processes' memory and hand-over")
+
+
+def test_auto_keeps_processes_off_a_dataset_that_draws_from_a_global_rng():
+    """No timing involved: the dataset's draws decide before anything is measured."""
+    two = LoaderConfig(batch_size=8, num_workers=2, persistent_workers=True)
+    noise = GlobalNoise()
+    dataset = NamedErrors(Subset(noise, range(len(noise))))
+    method, why = choose(dataset, two, None, forbidden=None)
     assert (method, why.split(" while")[0]) == ("process", "the dataset draws from the global random RNG")
-    assert choose(wrap(GlobalNoise()), two, None, forbidden="/dev/shm is too small") == (
+    assert choose(dataset, two, None, forbidden="/dev/shm is too small") == (
         "thread", "/dev/shm is too small; the dataset draws from the global random RNG while fetching: with threads "
                   "its draws are not reproducible")
-    method, why = choose(wrap(HoldsTheGILFailsInWorkers(size=64)), two, None, forbidden=None)
+
+
+def test_processes_that_fail_on_the_probes_batches_leave_threads(monkeypatch):
+    """Real worker processes, failing where the threads fetched; the thread speed-up is set out of
+    reach so that the processes are always tried, whatever the machine's load."""
+    monkeypatch.setattr(worker_method, "THREAD_SCALING_MIN", 1e9)
+    two = LoaderConfig(batch_size=8, num_workers=2, persistent_workers=True)
+    dataset = NamedErrors(Subset(HoldsTheGILFailsInWorkers(size=64), range(64)))
+    method, why = choose(dataset, two, None, forbidden=None)
     assert method == "thread", why
     assert why == ("2 worker processes failed on batches 2 threads fetched (SampleError: dataset item 0: OSError: "
                    "no such device in a worker (DataLoader worker process 0)): threads")
@@ -289,18 +329,21 @@ def test_auto_keeps_processes_for_a_dataset_threads_would_fetch_wrongly():
     assert "not thread-safe" in why
 
 
-def test_one_worker_is_a_thread_only_where_two_threads_show_the_gil_released():
+def test_one_worker_is_a_thread_only_where_two_threads_show_the_gil_released(monkeypatch):
     """One thread fetches as fast as the main process whether or not the dataset holds the GIL, so the
-    probe times two: sleeping items scale (a thread), GIL-bound ones do not (a process, which fetches
-    beside the training loop instead of taking the GIL from it)."""
-    wrap = lambda d: NamedErrors(Subset(d, range(len(d))))  # noqa: E731 - as training builds it
+    probe times two: items that scale get a thread, GIL-bound ones a process, which fetches beside the
+    training loop instead of taking the GIL from it (timings set: the choice is under test)."""
+    dataset = NamedErrors(Subset(Augments(size=64), range(64)))
     one = LoaderConfig(batch_size=8, num_workers=1, persistent_workers=True)
-    method, why = choose(wrap(Augments(size=64, delay_s=0.01)), one, None, forbidden=None)
+    unused = Timed(0.0, 0.0, 8, 1)  # one worker never times processes
+    monkeypatch.setattr(worker_method, "Probe", MeasuredProbe(1.0, Timed(0.06, 0.52, 8, 2), unused))
+    method, why = choose(dataset, one, None, forbidden=None)
     assert (method, why.split(" fetched")[0]) == ("thread", "2 threads"), why
-    method, why = choose(wrap(HoldsTheGIL(size=64)), one, None, forbidden=None)
-    assert method == "process", why
-    assert why.endswith("(the dataset holds the GIL): one worker thread would take the GIL from the training "
-                        "loop, one process fetches beside it")
+    monkeypatch.setattr(worker_method, "Probe", MeasuredProbe(1.0, Timed(0.30, 0.95, 8, 2), unused))
+    assert choose(dataset, one, None, forbidden=None) == (
+        "process", f"2 threads fetched only 1.05x as fast as the main process alone, under {THREAD_SCALING_MIN:g} x 2 "
+                   "(the dataset holds the GIL): one worker thread would take the GIL from the training loop, one "
+                   "process fetches beside it")
 
 
 def test_a_probes_epoch_prediction_separates_start_up_from_the_steady_rate():
