@@ -5,6 +5,7 @@ Nothing heavy (torch, mlflow) is imported until a job actually runs, so `dlpipe 
 `dlpipe --cfg job` stay fast.
 """
 
+import importlib
 import logging
 import os
 import shutil
@@ -25,6 +26,7 @@ from dlpipe.config.store import register_recipes, register_schemas
 from dlpipe.errors import ConfigError, DlpipeError, user_message
 from dlpipe.help import help_page, version_line
 from dlpipe.redact import redact_printed_config
+from dlpipe.schema import CHOICES
 from dlpipe.stop import Terminated, restore_handlers, stop_at_once
 from dlpipe.tracking.given_run import refuse_outside_training
 from dlpipe.training.distributed import devices_requested, export_submitit_env, ranks_from_env, torchrun_command
@@ -79,26 +81,9 @@ def remove_if_half_made(output_dir: Path, job_name: str) -> None:
 
 
 def _task_module(task: str):
-    """The module whose run(ctx, raw, resolved) carries out `task` (validation names a bad one)."""
-    if task == "bench":
-        from dlpipe.tasks import bench
-
-        return bench
-    if task == "tune":
-        from dlpipe.tasks import tune
-
-        return tune
-    if task == "eval":
-        from dlpipe.tasks import eval as evaluation
-
-        return evaluation
-    if task == "plan":
-        from dlpipe.tasks import plan
-
-        return plan
-    from dlpipe.tasks import train
-
-    return train
+    """The module whose run(ctx, raw, resolved) carries out `task` (validation names a bad one):
+    dlpipe.tasks.<task>, imported only now (most import torch)."""
+    return importlib.import_module(f"dlpipe.tasks.{task}")
 
 
 def _job(cfg: DictConfig):
@@ -185,6 +170,9 @@ def multirun_first(argv: list[str]) -> list[str]:
     return [argv[0], *flags[:1], *(a for a in argv[1:] if a not in MULTIRUN_FLAGS)]
 
 
+# `dlpipe bench|tune|eval ARGS` is `dlpipe ARGS task=...`; plan has its own overrides, sync is no Hydra app.
+HYDRA_COMMANDS = tuple(task for task in CHOICES["task"] if task not in ("train", "plan"))
+
 # A plan writes nothing: no output folder, no Hydra record, no log file (its lines go to stdout).
 PLAN_OVERRIDES = ["task=plan", "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
 
@@ -247,7 +235,7 @@ def main() -> None:
         sys.exit(sync.main(sys.argv[2:]))
     if sys.argv[1:2] == ["plan"]:
         sys.argv = with_overrides(plan_argv(sys.argv), help_page("plan", sys.argv[2:]))
-    if sys.argv[1:2] in (["bench"], ["tune"], ["eval"]):
+    if sys.argv[1:2] and sys.argv[1] in HYDRA_COMMANDS:
         # `dlpipe bench ARGS` is `dlpipe ARGS task=bench`: the same Hydra app, so recipes,
         # overrides and --multirun work unchanged (last, after any --config-dir option); with
         # --help, Hydra prints the command's own page

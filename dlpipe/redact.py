@@ -44,7 +44,7 @@ def redact_overrides(overrides: list[str]) -> list[str]:
         # a secret key or one under a secret key (`+dataset.credentials.user`: redact_tree masks the whole
         # node), or a dict value holding one (the whole value: its other entries may be keys too)
         keys = [*key.lstrip("+~").split("."), *_VALUE_KEYS.findall(value)]
-        # `${oc.env:HF_TOKEN}` holds no secret, only where to read one (the README's advice): kept, so a
+        # `${oc.env:HF_TOKEN}` holds no secret, only where to read one (docs/configuration.md's advice): kept, so a
         # printed command that carries it still works
         secret = eq and value and not _ENV_READ.fullmatch(value) and any(map(is_secret_key, keys))
         masked.append(f"{key}={MASK}" if secret else redact_text(override))

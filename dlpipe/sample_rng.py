@@ -5,7 +5,7 @@ depends on which worker fetched it: change num_workers, switch to thread workers
 `dlpipe tune` changed the loader, and the same sample is augmented differently. A dataset that draws
 from `sample_generator()` instead gets the same draws for a sample in a given epoch whoever fetches
 it, in a worker process, a thread or the main process, and a resumed run sees exactly the batches of
-the uninterrupted one (README: "Exact resume, whatever the workers"):
+the uninterrupted one (docs/checkpoints.md: "Exact resume"):
 
     def __getitem__(self, i):
         flip = torch.rand((), generator=dlpipe.sample_rng.sample_generator()) < 0.5

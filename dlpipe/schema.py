@@ -279,6 +279,7 @@ class DlpipeConfig:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
+    "task": ("train", "bench", "tune", "eval", "plan"),  # the one list: each is dlpipe.tasks.<name>, `dlpipe <name>`
     "loader.fetch": ("auto", "item", "batch"),
     "loader.worker_method": ("auto", "process", "thread"),
     "loader.multiprocessing_context": ("fork", "spawn", "forkserver"),

@@ -16,10 +16,10 @@ from conftest import NO_PHONE_HOME, TESTS_DIR
 
 from dlpipe.config.paths import conf_dir, recipe_dirs
 from dlpipe.config.store import find_recipes
-from dlpipe.schema import DlpipeConfig
+from dlpipe.schema import CHOICES, DlpipeConfig
 
-COMMANDS = ("plan", "bench", "tune", "eval", "sync")
-HYDRA_COMMANDS = ("plan", "bench", "tune", "eval")  # sync is argparse, not a Hydra app
+HYDRA_COMMANDS = tuple(task for task in CHOICES["task"] if task != "train")  # train is the command-less default
+COMMANDS = (*HYDRA_COMMANDS, "sync")  # sync is argparse, not a Hydra app
 SHARED_SECTIONS = ("== Recipes and config groups ==", "== Common keys ==", "== Flags ==", "Guide: README.md")
 # Each page names its command's own keys (or, for plan, what it refrains from).
 OWN_WORDS = {"bench": ["bench.warmup_batches", "bench.batches", "bench.mode"],
@@ -43,6 +43,19 @@ def unknown_keys(text: str) -> list[str]:
 def shipped_groups() -> dict[str, list[str]]:
     return {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in conf_dir().iterdir()
             if d.is_dir() and d.name != "hydra"}
+
+
+@pytest.mark.parametrize("task", CHOICES["task"])
+def test_every_task_has_its_module_and_its_help_page(task):
+    """The task list is written once (schema.CHOICES["task"]): each name needs dlpipe.tasks.<name>
+    with run(ctx, raw, resolved), and, but for train (`dlpipe --help`), a page of its own."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"dlpipe.tasks.{task}")
+    assert list(inspect.signature(module.run).parameters)[:3] == ["ctx", "raw", "resolved"]
+    page = "dlpipe" if task == "train" else task
+    assert (conf_dir() / "hydra" / "help" / f"{page}.yaml").is_file()
 
 
 def test_help_lists_commands_recipes_groups_and_keys(dlpipe):

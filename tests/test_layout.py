@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from dlpipe.schema import CHOICES
+
 PACKAGE = Path(__file__).resolve().parent.parent / "dlpipe"
 
 # The one layering of the package, top first, quoted in docs/development.md. A room (a package, or a
@@ -33,7 +35,7 @@ LAYERS = (
     ("errors, version", {"errors", "__init__"}),
 )
 LAYER_OF = {room: depth for depth, (_, rooms) in enumerate(LAYERS) for room in rooms}
-TASKS = {"train", "bench", "tune", "eval", "plan", "sync"}
+TASKS = {*CHOICES["task"], "sync"}  # sync: the one command that is no Hydra app
 
 
 def modules() -> list[Path]:
@@ -148,3 +150,14 @@ def test_modules_and_functions_stay_readable(path):
     long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(ast.parse(source))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
     assert long == []
+
+
+def test_the_development_guide_quotes_the_layers():
+    """docs/development.md's table of rooms and layers is LAYERS, row for row."""
+    import re
+
+    page = (PACKAGE.parent / "docs" / "development.md").read_text()
+    table = page.split("## Rooms and layers", 1)[1].split("\n\n| layer |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines()[2:]]  # past the header's rest and the rule
+    quoted = [(layer.strip(), set(re.findall(r"`([\w_]+)`", rooms))) for layer, rooms in rows]
+    assert quoted == [(name, rooms) for name, rooms in LAYERS]

@@ -120,9 +120,6 @@ def _check_metrics(metrics) -> list[str]:
     return check_named_targets("metrics", metrics, "torchmetrics.MeanAbsoluteError")
 
 
-_TASKS = ("train", "bench", "tune", "eval", "plan")
-
-
 def _check_bench(c: BenchConfig) -> list[str]:
     p = []
     if c.warmup_batches < 1:
@@ -254,8 +251,8 @@ def validate(resolved: dict, cpu_budget: int | None = None) -> DlpipeConfig:
     """The resolved config (a plain dict) as typed sections; raises ConfigError listing every problem.
     `cpu_budget` bounds loader.num_workers (None: this process's, hardware.cpu_budget)."""
     problems = []
-    if resolved.get("task", "train") not in _TASKS:
-        problems.append(f"task={resolved['task']}: allowed: {', '.join(_TASKS)}")
+    if resolved.get("task", "train") not in CHOICES["task"]:
+        problems.append(f"task={resolved['task']}: allowed: {allowed('task')}")
     sections = {}
     for section, (schema, check) in _SECTIONS.items():
         unknown = _unknown_keys(section, schema, resolved[section])

@@ -1,6 +1,6 @@
 """What limits an epoch, from the numbers telemetry measured: the bottleneck verdict and worker leaks.
 
-Thresholds (documented in the README):
+Thresholds (documented in docs/telemetry.md):
 - input-bound: the step waits on the loader for >= 20% of the epoch. If the process tree already
   uses >= 85% of its CPU budget, more workers cannot help: CPU-budget-bound instead.
 - host-to-device-bound (CUDA only): >= 15% of the epoch is spent blocked in host-to-device copies.

@@ -65,7 +65,7 @@ EPILOG = """examples:
 
 exit status: 0 all sent and ended (or nothing to do), 1 an outbox or a run record not done (each is
 named), 2 a directory missing.
-Guide: README.md, "Tracking"."""
+Guide: docs/tracking.md, "When the server or the store goes away"."""
 
 
 def main(argv: list[str]) -> int:

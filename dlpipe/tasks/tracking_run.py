@@ -44,9 +44,9 @@ def start_tracking(tracking: TrackingConfig):
 
 
 def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], resume_run_id: str | None = None,
-             sidecar=None):
-    """The job's MLflow run (a NullRun with tracking=none), as a context manager that ends it: kept
-    in `sidecar` (start_tracking) when given, else in this process."""
+             sidecar=None) -> Unbroken:
+    """The job's tracking run (tracking.protocols.JobRun; a NullRun with tracking=none), as a context
+    manager that ends it: kept in `sidecar` (start_tracking) when given, else in this process."""
     from dlpipe.tracking.null_run import NullRun
     from dlpipe.tracking.run import MlflowRun
 

@@ -22,6 +22,7 @@ from dlpipe.stop import ignore_termination, stop_gracefully
 from dlpipe.tasks.preflight import JobContext, preflight
 from dlpipe.tasks.tracking_run import open_run, start_tracking
 from dlpipe.tasks.train_job import build_job
+from dlpipe.tracking.protocols import JobRun
 from dlpipe.training import distributed
 
 log = logging.getLogger("dlpipe")
@@ -149,7 +150,7 @@ def train_tracked(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[s
     return last_val_loss(history)
 
 
-def log_pytorch_model(run, job, checkpoint: Path) -> None:
+def log_pytorch_model(run: JobRun, job, checkpoint: Path) -> None:
     """The checkpoint's weights as an MLflow PyTorch model too (tasks.logged_model), where it can."""
     from dlpipe.loader.fetch import item_collate, unwrapped
     from dlpipe.tasks.logged_model import export_model

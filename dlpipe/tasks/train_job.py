@@ -24,6 +24,7 @@ from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.resume_point import checkpoint_folder, resume_hint, resume_point, save_stop_checkpoint
 from dlpipe.tasks.tracking_run import run_tags
 from dlpipe.tracking.dataset_input import describe as describe_dataset
+from dlpipe.tracking.protocols import JobRun
 
 if TYPE_CHECKING:  # torch-heavy modules, imported when a job is built
     from dlpipe.judging.advice import Evidence
@@ -214,7 +215,7 @@ class TrainJob:
             return newest
         return self.store.best_path if which == "best" else newest
 
-    def record_outcome(self, run, history: list[dict[str, float]]):
+    def record_outcome(self, run: JobRun, history: list[dict[str, float]]):
         """The run's verdict, worker-memory warning and end tags; returns the verdict."""
         from dlpipe.judging.evidence import settings_of
         from dlpipe.judging.verdict import rss_slope, run_metrics, worker_leak

@@ -1,4 +1,4 @@
-"""tracking=none: a run with MlflowRun's interface that records nothing (and imports no mlflow)."""
+"""tracking=none: a tracking.protocols.JobRun that records nothing (and imports no mlflow)."""
 
 
 class NullRun:
@@ -15,9 +15,11 @@ class NullRun:
     def flush(self): ...
     def log_text(self, text, artifact_file): ...
     def log_artifact(self, path, artifact_path=None): ...
+    def log_pytorch_model(self, path, step): ...
+    def end(self, status, reason=None): ...
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         return False

@@ -277,6 +277,12 @@ class MlflowRun:
         self.offline_since = None
         return True
 
+    def log_pytorch_model(self, path, step: int) -> None:
+        """The model file at `path` as an MLflow PyTorch model (tracking.pytorch_model: imports torch)."""
+        from dlpipe.tracking.pytorch_model import log_pytorch_model
+
+        log_pytorch_model(self, str(path), step)
+
     def watch_system(self) -> None:
         """Start MLflow's own system-metrics monitor on this run, until the run ends."""
         self._system_monitor = start_system_monitor(self.run_id, self.resumed, absolute_uri(self.uri))

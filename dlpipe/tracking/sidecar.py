@@ -112,11 +112,7 @@ class Host:
         if call == "end":
             self.run.end(*args)
             return self.run.status
-        if call == "log_pytorch_model":  # tracking.log_model: torch is imported for this alone
-            from dlpipe.tracking.pytorch_model import log_pytorch_model
-
-            return log_pytorch_model(self.run, *args)
-        return getattr(self.run, call)(*args)  # log_params, set_tags, write_rows, log_text, ...
+        return getattr(self.run, call)(*args)  # tracking.protocols.JobRun's calls, and write_rows
 
     def orphaned(self, reason: str) -> None:
         """The training process is gone or done without ending its run: end it, if it is still going."""
