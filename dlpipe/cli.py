@@ -1,8 +1,6 @@
 """The `dlpipe` command: compose the config with Hydra, check it, then hand it to a task's `run`.
 
 Only this module, `config/` and the sweep callback (`sweeps/callback.py`) touch Hydra's runtime.
-Nothing heavy (torch, mlflow) is imported until a job actually runs, so `dlpipe --help` and
-`dlpipe --cfg job` stay fast.
 """
 
 import importlib
@@ -12,7 +10,10 @@ import shutil
 import sys
 from pathlib import Path
 
+import hydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -25,12 +26,18 @@ from dlpipe.config.resolvers import register_resolvers
 from dlpipe.config.store import register_recipes, register_schemas
 from dlpipe.errors import ConfigError, DlpipeError, user_message
 from dlpipe.help import help_page, version_line
+from dlpipe.machine import budget_share
 from dlpipe.redact import redact_printed_config
 from dlpipe.schema import CHOICES
 from dlpipe.stop import Terminated, restore_handlers, stop_at_once
+from dlpipe.tasks.preflight import JobContext
+from dlpipe.tasks.writable import check_writable, hydra_output_error
 from dlpipe.tracking.given_run import refuse_outside_training
 from dlpipe.training.distributed import devices_requested, export_submitit_env, ranks_from_env, torchrun_command
 from dlpipe.training.requeue import requeue_through_submitit
+
+# Imported inside functions: the task modules (dlpipe.tasks.<task> through _task_module, and sync), each
+# only when its command runs: most import torch, and `dlpipe --help`, `--version` and `--cfg job` must not.
 
 log = logging.getLogger("dlpipe")
 
@@ -82,21 +89,16 @@ def remove_if_half_made(output_dir: Path, job_name: str) -> None:
 
 def _task_module(task: str):
     """The module whose run(ctx, raw, resolved) carries out `task` (validation names a bad one):
-    dlpipe.tasks.<task>, imported only now (most import torch)."""
+    dlpipe.tasks.<task>, imported only now."""
     return importlib.import_module(f"dlpipe.tasks.{task}")
 
 
 def _job(cfg: DictConfig):
     """Hydra's task function: one training job (one per sweep point with --multirun)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     handlers = stop_at_once()  # every task's runs end KILLED on a signal, from the job's first moment
     try:
-        from dlpipe.tasks.preflight import JobContext
-
         ctx = JobContext(
             output_dir=Path(hc.runtime.output_dir),
             # as typed: an override like x=${oc.env:V} must not be resolved just to be listed
@@ -108,8 +110,6 @@ def _job(cfg: DictConfig):
         )
         # Before resolving: ${auto_workers:} divides the CPUs by the ranks on this node.
         export_submitit_env()
-        from dlpipe.tasks.writable import check_writable
-
         task = _task_module(cfg.get("task", "train"))
         # A task that starts work before the config resolves (train: its tracking process) takes it in run().
         early = getattr(task, "start_early", None)
@@ -147,8 +147,6 @@ def _job(cfg: DictConfig):
         sys.exit(2)
     finally:
         restore_handlers(handlers)
-        from dlpipe.machine import budget_share
-
         budget_share.leave()  # a sweep may run its next job in this process: it must not count this one
 
 
@@ -248,8 +246,6 @@ def main() -> None:
         # A torchrun rank other than 0 writes nothing of its own: no run directory, Hydra record or
         # log file (its output directory comes from rank 0; see tasks/train.py). Last, so they win.
         sys.argv = with_overrides(sys.argv, ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"])
-    import hydra
-
     # A full disk under the job's dlpipe.log must not print a logging traceback per record and bury
     # the one error line (Python's own advice for production code).
     logging.raiseExceptions = False
@@ -279,8 +275,7 @@ def main() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush fails again
         sys.exit(1)
     except Exception as e:
-        from dlpipe.tasks.writable import hydra_output_error  # Hydra could not make the output folder
-
+        # Hydra could not make the output folder, or its own error in one line
         line = hydra_output_error(e, sys.argv[1:]) or one_line(e, sys.argv[1:])
         if line is None:
             raise

@@ -161,3 +161,61 @@ def test_the_development_guide_quotes_the_layers():
     rows = [line.split("|")[1:3] for line in table.splitlines()[2:]]  # past the header's rest and the rule
     quoted = [(layer.strip(), set(re.findall(r"`([\w_]+)`", rooms))) for layer, rooms in rows]
     assert quoted == [(name, rooms) for name, rooms in LAYERS]
+
+
+# Modules that import inside a function without saying why yet: the engineer who owns them is writing
+# each one's `# Imported inside functions:` line (or moving its imports to the top) and removes it here.
+NOT_YET_EXPLAINED = {
+    "dlpipe.config.decisions",
+    "dlpipe.config.group_options",
+    "dlpipe.config.sharing",
+    "dlpipe.config.sources",
+    "dlpipe.config.store",
+    "dlpipe.config.sweep_check",
+    "dlpipe.data.parquet",
+    "dlpipe.instantiate",
+    "dlpipe.loader.faults",
+    "dlpipe.loader.fetch",
+    "dlpipe.loader.lint",
+    "dlpipe.loader.search",
+    "dlpipe.loader.streams",
+    "dlpipe.loader.threads",
+    "dlpipe.loader.worker_method",
+    "dlpipe.loader.worker_signals",
+    "dlpipe.machine.gpu",
+    "dlpipe.sweeps.callback",
+    "dlpipe.sweeps.chart",
+    "dlpipe.tracking.client",
+    "dlpipe.tracking.context_tags",
+    "dlpipe.tracking.dataset_input",
+    "dlpipe.tracking.given_run",
+    "dlpipe.tracking.pytorch_model",
+    "dlpipe.tracking.sidecar",
+    "dlpipe.tracking.system_metrics",
+    "dlpipe.training.distributed",
+    "dlpipe.training.net",
+    "dlpipe.training.requeue",
+    "dlpipe.training.resume",
+}
+EXPLAINED = "# Imported inside functions:"
+
+
+def imports_inside_functions(tree: ast.Module) -> bool:
+    return any(isinstance(node, (ast.Import, ast.ImportFrom))
+               for function in ast.walk(tree) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+               for node in ast.walk(function))
+
+
+def test_imports_inside_functions_say_why_once_per_module():
+    """An import sits inside a function only where import time demands it (`dlpipe --help`, the config
+    layer and the tracking process stay free of torch and mlflow; a task module loads when its command
+    runs), and the module says so once, in a top-level comment line starting `# Imported inside functions:`."""
+    said = {name_of(p): sum(line.startswith(EXPLAINED) for line in p.read_text().splitlines()) for p in modules()}
+    inside = {name_of(p) for p in modules() if imports_inside_functions(ast.parse(p.read_text()))}
+    assert sorted(m for m in inside if not said[m] and m not in NOT_YET_EXPLAINED) == [], (
+        f"import at the top of the module, or say why not in one `{EXPLAINED}` line")
+    assert sorted(m for m in NOT_YET_EXPLAINED if said.get(m) or m not in inside) == [], (
+        "explained now, or no import inside a function left: remove it from NOT_YET_EXPLAINED")
+    assert sorted(m for m, n in said.items() if n and m not in inside) == [], (
+        f"no import inside a function left: drop the `{EXPLAINED}` line")
+    assert sorted(m for m, n in said.items() if n > 1) == [], f"one `{EXPLAINED}` line per module"

@@ -7,7 +7,11 @@ import socket
 
 from dlpipe.judging.advice import MODES, Evidence
 from dlpipe.judging.journal import MeasurementFile, job_key, model_key
+from dlpipe.loader.fetch import fetch_mode, item_collate
+from dlpipe.loader.probe import item_fetch_seconds
+from dlpipe.loader.threads import worker_method_of
 from dlpipe.schema import DlpipeConfig
+from dlpipe.training import rng
 
 log = logging.getLogger("dlpipe")
 
@@ -37,10 +41,6 @@ def item_cost_here(train_set, loader) -> float | None:
     stream as it was: fetching may augment, and the run must draw what it would have drawn without it.
     None when an item fails here: the advice then goes without the figure, and the training loop, not
     a probe for advice, is where a bad item is reported."""
-    from dlpipe.loader.fetch import item_collate
-    from dlpipe.loader.probe import item_fetch_seconds
-    from dlpipe.training import rng
-
     state = rng.capture()
     try:
         batch = loader.batch_size or loader.sampler.batch_size  # fetching whole batches: the sampler batches
@@ -54,9 +54,6 @@ def item_cost_here(train_set, loader) -> float | None:
 
 def settings_of(loader) -> dict:
     """The settings a built DataLoader really runs with (after dlpipe's normalisation)."""
-    from dlpipe.loader.fetch import fetch_mode
-    from dlpipe.loader.threads import worker_method_of
-
     return {"num_workers": loader.num_workers, "prefetch_factor": loader.prefetch_factor,
             "persistent_workers": loader.persistent_workers, "pin_memory": bool(loader.pin_memory),
             "fetch": fetch_mode(loader), "worker_method": worker_method_of(loader)}

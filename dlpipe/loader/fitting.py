@@ -5,12 +5,19 @@ Like tasks.build, everything here runs before a tracking run exists: a mistake i
 the key.
 """
 
+import itertools
 import logging
 from dataclasses import replace
 
 from dlpipe.errors import ConfigError
 from dlpipe.instantiate import instantiate_group
-from dlpipe.loader import policy
+from dlpipe.loader import policy, worker_method
+from dlpipe.loader.build import build_loader, dataloader_settings
+from dlpipe.loader.decisions import prefetch, workers_for_data
+from dlpipe.loader.fetch import find_gather, gather_for
+from dlpipe.loader.lint import lint_job
+from dlpipe.loader.probe import item_fetch_seconds
+from dlpipe.loader.worker_method import global_draws
 from dlpipe.schema import DlpipeConfig, LoaderConfig
 
 log = logging.getLogger("dlpipe")
@@ -24,14 +31,9 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
     to its per-item collate (loader.fetch). Values the user set stand (the lint and `dlpipe tune` can question
     them). `model`: the model, when it is already built (its memory is not the workers'). Returns the
     loader settings and the reason for each value decided here."""
-    from dlpipe.loader.decisions import prefetch, workers_for_data
-    from dlpipe.loader.probe import item_fetch_seconds
-
     reasons = {}
     collate = build_collate(loader)  # the decisions below replace other fields, never collate_fn
     if loader.fetch != "item" and len(train_set):  # first: fetch=batch on a dataset that cannot is refused here
-        from dlpipe.loader.fetch import find_gather, gather_for
-
         if loader.fetch == "batch":
             gather_for(train_set, "batch", collate)
         else:
@@ -55,13 +57,9 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
         loader = replace(loader, persistent_workers=keep)
         reasons["loader.persistent_workers"] = f"{keep} (auto: {why})"
     if loader.worker_method == "auto":
-        from dlpipe.loader import worker_method
-
         loader = worker_method.fit(loader, raw_loader, train_set, collate, reasons,
                                    model_bytes=cpu_bytes(model) if model is not None else 0)
     elif loader.worker_method == "thread" and loader.num_workers and len(train_set):
-        from dlpipe.loader.worker_method import global_draws
-
         drawn = global_draws(train_set)  # auto would keep processes for it; asked for, it is said
         if drawn:
             log.warning("loader.worker_method=thread: the dataset draws from the global %s RNG while fetching; "
@@ -73,8 +71,6 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
 
 def cpu_bytes(model) -> int:
     """Bytes of a model's parameters and buffers in CPU memory."""
-    import itertools
-
     return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers())
                if t.device.type == "cpu")
 
@@ -98,16 +94,12 @@ def build_collate(loader: LoaderConfig):
 def loader_settings(loader: LoaderConfig) -> dict:
     """build_loader's keyword arguments from the loader config, loader.collate_fn built: what train,
     bench and tune (each candidate) build their loaders with."""
-    from dlpipe.loader.build import dataloader_settings
-
     return {**dataloader_settings(loader), "collate_fn": build_collate(loader)}
 
 
 def build_loaders(cfg: DlpipeConfig, train_set, val_set, rank: int = 0, world: int = 1):
     """Training and validation loaders (the validation one None without a split); with world > 1,
     each loads this rank's share and loader.batch_size is per rank."""
-    from dlpipe.loader.build import build_loader
-
     lc = loader_settings(cfg.loader)
     cuda = cfg.trainer.device.startswith("cuda")
     seed = cfg.trainer.seed
@@ -142,8 +134,6 @@ def fit_loader(raw: dict, cfg: DlpipeConfig, train_set, decided: dict[str, str],
 
 def warn_about_loaders(cfg: DlpipeConfig, train_set, plans, cpu_budget: int) -> None:
     """Each loader's build notes, then the pre-flight lint of the training loader."""
-    from dlpipe.loader.lint import lint_job
-
     for note in loader_notes(plans):
         log.warning(note)
     for line in lint_job(cfg, len(train_set), plans[0].batch_bytes, cpu_budget):

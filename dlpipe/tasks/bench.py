@@ -7,6 +7,8 @@ child MLflow run and the sweep's parent gets the comparison table (the classic
 
 import logging
 
+from dlpipe.judging.evidence import bench_mode, measurement_file, settings_of
+from dlpipe.loader.measure import describe, measure
 from dlpipe.machine import hardware
 from dlpipe.tasks.measurement import prepare_measurement
 from dlpipe.tasks.params import config_params
@@ -18,9 +20,6 @@ log = logging.getLogger("dlpipe")
 
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     """Measure the configured loader; returns samples/s."""
-    from dlpipe.judging.evidence import bench_mode, measurement_file, settings_of
-    from dlpipe.loader.measure import describe, measure
-
     job = prepare_measurement(ctx, raw, resolved)
     cfg, bench, loader = job.cfg, job.cfg.bench, job.plan.loader
     log.info("bench: %d batches of %d after %d warm-up, num_workers=%d worker_method=%s fetch=%s prefetch_factor=%s "

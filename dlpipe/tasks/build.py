@@ -7,19 +7,34 @@ naming the key, and nothing is left half-made.
 """
 
 import copy
+import inspect
 import logging
 
+import torch
+from torch.utils.data import Subset, default_collate
+
+from dlpipe.config.targets import DATASET_ALLOWED, locate, not_a_dataset
 from dlpipe.errors import ConfigError, DlpipeError
 from dlpipe.instantiate import instantiate_group
-from dlpipe.schema import DlpipeConfig
+from dlpipe.loader.faults import NamedErrors, SampleError
+from dlpipe.loader.split import train_val_split
+from dlpipe.schema import SCHEDULER_DEFAULT_INTERVAL, DlpipeConfig
+from dlpipe.tasks.fit_checks import check_monitored, model_data_mismatch
+from dlpipe.training import objective as kinds
+from dlpipe.training import rng
+from dlpipe.training.callbacks import Callbacks, EarlyStopping
+from dlpipe.training.losses import IGNORE_INDEX
+from dlpipe.training.objective import Objective
+from dlpipe.training.schedule import Schedule, schedule_length
+
+# Imported inside functions: torchmetrics (over a second), needed only for a training or eval job's default
+# metrics; plan, bench and tune build their datasets here too and never use it.
 
 log = logging.getLogger("dlpipe")
 
 
 def check_device(device: str) -> None:
     """The requested device must exist here; checked before anything is built or tracked."""
-    import torch
-
     if device == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(["trainer.device=mps: this torch build or machine has no MPS device; use cpu"])
     if device.startswith("cuda"):
@@ -45,11 +60,6 @@ def validation_view(dataset):
 
 def build_datasets(cfg: DlpipeConfig):
     """(train split, validation split or None, the whole dataset); raises ConfigError/DataError."""
-    from torch.utils.data import Subset
-
-    from dlpipe.loader.faults import NamedErrors
-    from dlpipe.loader.split import train_val_split
-
     check_device(cfg.trainer.device)
     dataset = instantiate_group("dataset", cfg.dataset)
     check_dataset(cfg.dataset["_target_"], dataset)
@@ -63,8 +73,6 @@ def build_datasets(cfg: DlpipeConfig):
 def check_dataset(target: str, dataset) -> None:
     """What dataset._target_ built must be a dataset: validation checked a class, but a function
     (os.getcwd) is only known by what it returns."""
-    from dlpipe.config.targets import DATASET_ALLOWED, not_a_dataset
-
     why = not_a_dataset(type(dataset))
     if why:
         raise ConfigError([f"dataset._target_={target}: returned a {type(dataset).__name__} ({why}); "
@@ -93,12 +101,6 @@ def in_features_of(dataset, input_field: str | None) -> tuple[int, str]:
     """(the model's in_features, where it came from): the dataset's num_features, else the last
     dimension of item 0's input, as the objective's batch layout reads it (the first part of a
     tuple, or the dict field batch.input names)."""
-    import torch
-
-    from dlpipe.loader.faults import NamedErrors
-    from dlpipe.training import rng
-    from dlpipe.training.objective import Objective
-
     if hasattr(dataset, "num_features"):
         return int(dataset.num_features), "the dataset's num_features"
     fix = "set model.in_features to the length of one input vector (or give the dataset a num_features attribute)"
@@ -128,8 +130,6 @@ def build_data_and_model(cfg: DlpipeConfig):
 def build_objective_and_metrics(cfg: DlpipeConfig, model, train_set, collate_fn):
     """The loss with its batch layout, checked on two real samples, and the validation metrics
     (sized by the model's output for the default accuracy)."""
-    from dlpipe.training import rng
-
     objective = build_objective(cfg)
     state, training = rng.capture(), model.training
     model.eval()  # no dropout: the check draws no random numbers the run would then miss
@@ -143,19 +143,12 @@ def build_objective_and_metrics(cfg: DlpipeConfig, model, train_set, collate_fn)
 
 def build_objective(cfg: DlpipeConfig):
     """The loss (conf/loss/: any nn.Module or callable) and the batch layout it is fed from."""
-    from dlpipe.training.objective import Objective
-
     return Objective(instantiate_group("loss", cfg.loss), cfg.batch.input, cfg.batch.target)
 
 
 def check_objective(cfg: DlpipeConfig, objective, model, train_set, collate_fn=None):
     """Two real samples through the model and the loss, before anything is tracked: a sample the
     loss cannot use is one line naming the field. Returns the model's predictions for them."""
-    from torch.utils.data import default_collate
-
-    from dlpipe.loader.faults import SampleError
-    from dlpipe.tasks.fit_checks import model_data_mismatch
-
     items = [train_set[i] for i in range(min(2, len(train_set)))]
     try:
         batch = (collate_fn or default_collate)(items)
@@ -174,9 +167,6 @@ def build_metrics(cfg: DlpipeConfig, objective, prediction) -> dict:
     """Validation metrics by name: cfg.metrics when given, else the defaults for the loss's kind
     (accuracy for classification, sized by the model's output; mse, mae and r2 for regression)."""
     import torchmetrics
-
-    from dlpipe.training import objective as kinds
-    from dlpipe.training.losses import IGNORE_INDEX
 
     if cfg.metrics is not None:
         return {name: instantiate_group(f"metrics.{name}", node) for name, node in cfg.metrics.items()}
@@ -201,8 +191,6 @@ def metric_direction(section: str, monitor: str | None, mode: str, metrics: dict
     """min or max for a monitored metric: `auto` takes the direction from the metric (a loss is
     minimised, a torchmetrics metric says `higher_is_better`). The metric must be one this run
     logs (fit_checks.check_monitored); `section` names the setting in errors (checkpoint, trainer.early_stopping)."""
-    from dlpipe.tasks.fit_checks import check_monitored
-
     check_monitored(section, monitor, metrics, validates)
     if mode != "auto" or monitor is None:
         return mode if mode != "auto" else "min"
@@ -218,8 +206,6 @@ def metric_direction(section: str, monitor: str | None, mode: str, metrics: dict
 def build_callbacks(cfg: DlpipeConfig, metrics: dict, validates: bool):
     """The user's callbacks (cfg.callbacks, in order) and, with trainer.early_stopping.monitor set,
     early stopping after them."""
-    from dlpipe.training.callbacks import Callbacks, EarlyStopping
-
     callbacks = {name: instantiate_group(f"callbacks.{name}", node) for name, node in (cfg.callbacks or {}).items()}
     stop = cfg.trainer.early_stopping
     if stop.monitor is not None:
@@ -239,13 +225,6 @@ def build_scheduler(cfg: DlpipeConfig, optimizer, steps_per_epoch: int | None):
     A `total_steps` the class takes and the config leaves out is derived, never a key to compute:
     the run's optimizer steps (epochs x `steps_per_epoch`, capped by trainer.max_steps) with
     interval=step, its epochs with interval=epoch."""
-    import inspect
-    import logging
-
-    from dlpipe.config.targets import locate
-    from dlpipe.schema import SCHEDULER_DEFAULT_INTERVAL
-    from dlpipe.training.schedule import Schedule, schedule_length
-
     if not cfg.scheduler:
         return None
     node = dict(cfg.scheduler)
@@ -266,7 +245,7 @@ def build_scheduler(cfg: DlpipeConfig, optimizer, steps_per_epoch: int | None):
     warmup = node.get("warmup_steps") or 0
     if span is not None and warmup >= span:
         # Not refused: a quick run of a recipe (trainer.limit_train_batches=3) is legitimately this short.
-        logging.getLogger("dlpipe").warning(
+        log.warning(
             "scheduler.warmup_steps=%s: the schedule spans only %d %s in this run (interval=%s), so the lr never "
             "reaches optim.lr; warm up over fewer", warmup, span, unit, interval)
     return Schedule(instantiate_group("scheduler", node, optimizer=optimizer, **extra), interval, monitor)

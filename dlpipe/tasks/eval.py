@@ -8,28 +8,27 @@ a run's checkpoint reproduces that run's validation numbers for the epoch it was
 
 import logging
 
+import torch
+
 from dlpipe.errors import ConfigError
+from dlpipe.loader.faults import NamedErrors
+from dlpipe.loader.fetch import item_collate
+from dlpipe.loader.fitting import build_loaders
 from dlpipe.machine import hardware
+from dlpipe.tasks.build import build_data_and_model, build_objective_and_metrics, validation_view
 from dlpipe.tasks.params import flatten, recorded_config
 from dlpipe.tasks.preflight import JobContext, preflight
 from dlpipe.tasks.tracking_run import open_run, run_tags
+from dlpipe.training.evaluate import evaluate
+from dlpipe.training.net import autocast_for
+from dlpipe.training.resume import init_weights
+from dlpipe.training.rng import seed_everything
 
 log = logging.getLogger("dlpipe")
 
 
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     """Score the weights; returns the loss over the scored split."""
-    import torch
-
-    from dlpipe.loader.faults import NamedErrors
-    from dlpipe.loader.fetch import item_collate
-    from dlpipe.loader.fitting import build_loaders
-    from dlpipe.tasks.build import build_data_and_model, build_objective_and_metrics, validation_view
-    from dlpipe.training.evaluate import evaluate
-    from dlpipe.training.net import autocast_for
-    from dlpipe.training.resume import init_weights
-    from dlpipe.training.rng import seed_everything
-
     cfg, decided = preflight(raw, resolved, "eval", ctx)
     if not cfg.checkpoint.init_from:
         raise ConfigError(["checkpoint.init_from=null: dlpipe eval scores saved weights; set "

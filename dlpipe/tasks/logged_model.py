@@ -8,6 +8,7 @@ import copy
 import logging
 import pickle
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -50,8 +51,6 @@ def code_of(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     """(code paths, pip requirements) that let the model's class be imported where it is loaded: the
     package (or file) that defines it is copied into the model unless it is installed from a
     distribution, which is then required by name and version; torch always."""
-    from importlib import metadata
-
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
     top = type(model).__module__.split(".")[0]
     module = sys.modules.get(top)

@@ -5,11 +5,18 @@ data, the step each measured batch goes through, and the resource sampler.
 import logging
 from dataclasses import dataclass
 
-from dlpipe.loader.fitting import fit_loader, warn_about_loaders
+import torch
+
+from dlpipe.loader.fitting import build_loaders, fit_loader, warn_about_loaders
+from dlpipe.loader.threads import fetch_cpu_seconds
 from dlpipe.machine import hardware
 from dlpipe.machine.gpu import gpu_for
 from dlpipe.schema import DlpipeConfig
+from dlpipe.tasks.build import build_datasets, build_model, build_objective
 from dlpipe.tasks.preflight import JobContext, preflight
+from dlpipe.telemetry.sampler import ResourceSampler
+from dlpipe.training.batches import to_device
+from dlpipe.training.rng import seed_everything
 
 log = logging.getLogger("dlpipe")
 
@@ -30,12 +37,6 @@ class Measurement:
 
 def prepare_measurement(ctx: JobContext, raw: dict, resolved: dict) -> Measurement:
     """The checks and objects bench and tune share."""
-    from dlpipe.loader.fitting import build_loaders
-    from dlpipe.loader.threads import fetch_cpu_seconds
-    from dlpipe.tasks.build import build_datasets, build_model
-    from dlpipe.telemetry.sampler import ResourceSampler
-    from dlpipe.training.rng import seed_everything
-
     cfg, decided = preflight(raw, resolved, resolved.get("task", "bench"), ctx)
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
     train_set, _, dataset = build_datasets(cfg)
@@ -54,11 +55,6 @@ def prepare_measurement(ctx: JobContext, raw: dict, resolved: dict) -> Measureme
 def measured_train_step(cfg: DlpipeConfig, model, optimizer):
     """bench.mode=train: the training step (forward, loss, backward, optimizer step) each measured
     batch also goes through."""
-    import torch
-
-    from dlpipe.tasks.build import build_objective
-    from dlpipe.training.batches import to_device
-
     device = torch.device(cfg.trainer.device)
     model = model.to(device).train()
     objective = build_objective(cfg)

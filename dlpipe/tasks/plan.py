@@ -8,27 +8,30 @@ result. It builds no model, opens no tracking run and writes nothing (the CLI ru
 output folder).
 """
 
+from torch.utils.data import BatchSampler
+
 from dlpipe.config.decisions import explain
 from dlpipe.config.validation import validate
+from dlpipe.judging.advice import MODES
+from dlpipe.judging.evidence import measurement_file
 from dlpipe.loader import policy
-from dlpipe.loader.fitting import loader_notes
+from dlpipe.loader.build import EpochOrder
+from dlpipe.loader.fitting import build_loaders, fit_loader_to_data, loader_notes
+from dlpipe.loader.lint import lint_job
 from dlpipe.machine import hardware
 from dlpipe.redact import redact_overrides
 from dlpipe.schema import DlpipeConfig, LoaderConfig
+from dlpipe.tasks.build import build_datasets
 from dlpipe.tasks.params import recorded_config
 from dlpipe.tasks.preflight import JobContext
+from dlpipe.training.distributed import ranks_from_env
+from dlpipe.training.rng import seed_everything
 
 DEVICE_KEYS = ("trainer.device", "trainer.amp")
 
 
 def run(ctx: JobContext, raw: dict, resolved: dict) -> None:
     """Print the plan of the job these overrides make."""
-    from dlpipe.loader.fitting import build_loaders, fit_loader_to_data
-    from dlpipe.loader.lint import lint_job
-    from dlpipe.tasks.build import build_datasets
-    from dlpipe.training.distributed import ranks_from_env
-    from dlpipe.training.rng import seed_everything
-
     cfg = validate(resolved)
     decided = explain(raw, resolved, ctx.origin)
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)  # the split a run of this seed makes
@@ -80,10 +83,6 @@ def value_lines(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str
 
 def dataloader_line(loader: LoaderConfig, plan) -> str:
     """The settings a DataLoader gets, a value the config asked otherwise marked `(asked X)`."""
-    from torch.utils.data import BatchSampler
-
-    from dlpipe.loader.build import EpochOrder
-
     built = plan.loader
     # whole-batch fetching and thread workers batch the order first; PyTorch's own path batches after
     batches = built.sampler if isinstance(built.sampler, BatchSampler) else built.batch_sampler
@@ -100,9 +99,6 @@ def dataloader_line(loader: LoaderConfig, plan) -> str:
 def measured_lines(cfg: DlpipeConfig, cpu_budget: int) -> list[str]:
     """What dlpipe has measured of this job (the evidence its advice will be checked against): the
     best figure of each loader setting, per way of measuring, fastest first."""
-    from dlpipe.judging.advice import MODES
-    from dlpipe.judging.evidence import measurement_file
-
     lines = []
     for mode, how in MODES.items():
         best = {}

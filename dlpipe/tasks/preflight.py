@@ -16,7 +16,9 @@ from dlpipe.errors import DlpipeError
 from dlpipe.redact import redact_logging, redact_text
 from dlpipe.schema import DlpipeConfig, TrackingConfig
 from dlpipe.tracking.given_run import refuse_outside_training
+from dlpipe.tracking.metric_names import dlpipe_name
 from dlpipe.tracking.outbox import connect_error
+from dlpipe.training.distributed import ranks_from_env
 
 log = logging.getLogger("dlpipe")
 
@@ -57,8 +59,6 @@ def preflight(raw: dict, resolved: dict, task: str, ctx: JobContext) -> tuple[Dl
 def accept_mlflow_names(cfg: DlpipeConfig) -> None:
     """A monitored metric may be named as the MLflow UI shows it (`val/loss`, `val/accuracy`): each
     monitor key so named is set to dlpipe's name for it (`val_loss`), and the log says so."""
-    from dlpipe.tracking.metric_names import dlpipe_name
-
     def ours(key: str, name):
         mapped = dlpipe_name(name) if isinstance(name, str) else name
         if mapped != name:
@@ -75,8 +75,6 @@ def accept_mlflow_names(cfg: DlpipeConfig) -> None:
 def check_single_process(environ, task: str) -> None:
     """`dlpipe bench` and `dlpipe tune` measure one process's loader: N ranks would measure N
     copies of it competing for the same CPUs and write the same files."""
-    from dlpipe.training.distributed import ranks_from_env
-
     ranks = ranks_from_env(environ)
     if ranks.distributed:
         raise DlpipeError(f"WORLD_SIZE={ranks.world}: dlpipe {task} measures one process; run it without torchrun "

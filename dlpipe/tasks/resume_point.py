@@ -5,8 +5,12 @@ import logging
 import shlex
 from pathlib import Path
 
+from dlpipe.errors import ConfigError
 from dlpipe.redact import MASK, redact_overrides, redact_text
 from dlpipe.tasks.preflight import JobContext
+from dlpipe.training import distributed
+from dlpipe.training.checkpoint import CheckpointError, CheckpointStore, load, save_atomic
+from dlpipe.training.resume import find_start
 
 log = logging.getLogger("dlpipe")
 
@@ -19,9 +23,6 @@ def checkpoint_folder(cfg, ctx: JobContext) -> Path:
 def require_checkpoint(cfg, ctx: JobContext) -> None:
     """checkpoint.resume=must where no checkpoint file exists at all: refused before the job is built
     (seconds of imports and data). Files that all turn out unreadable are found when they are loaded."""
-    from dlpipe.errors import ConfigError
-    from dlpipe.training.checkpoint import CheckpointStore
-
     folder = checkpoint_folder(cfg, ctx)
     if cfg.checkpoint.resume == "must" and not CheckpointStore(folder).candidates():
         raise ConfigError([f"checkpoint.resume=must: no checkpoint in {folder}"])
@@ -30,10 +31,6 @@ def require_checkpoint(cfg, ctx: JobContext) -> None:
 def resume_point(store, policy: str, ranks) -> tuple[dict | None, Path | None]:
     """(state, path) to resume from; with several ranks, rank 0 chooses and the others load the
     same file (each rank's own listing of a network filesystem may lag behind)."""
-    from dlpipe.training import distributed
-    from dlpipe.training.checkpoint import load
-    from dlpipe.training.resume import find_start
-
     if not ranks.distributed:
         return find_start(store, policy)
     start, path = find_start(store, policy) if ranks.is_main else (None, None)
@@ -75,8 +72,6 @@ def resume_hint(ctx: JobContext) -> str:
 
 def save_stop_checkpoint(trainer, reason: str, store, state: dict | None, hint: str) -> None:
     """Write the interrupted epoch's checkpoint (rank 0), or say why there is none."""
-    from dlpipe.training.checkpoint import CheckpointError, save_atomic
-
     epoch = len(trainer.history) + 1
     if not trainer.stop.interrupted_epoch:
         log.warning("stopped by %s in epoch %d between optimizer steps (the loader's workers died of the "

@@ -25,8 +25,12 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from dlpipe.errors import DlpipeError, first_line
 from dlpipe.redact import redact_logging, redact_text, without_password
 from dlpipe.tracking.abandoned import MARKER_FILE, Owner, end_if_abandoned, load_marker, read_marker, runs_of_folder
+from dlpipe.tracking.client import client_for
 from dlpipe.tracking.outbox import OUTBOX_FILE, OUTBOX_GLOB, DamagedOutbox, Outbox, connect_error, unreachable
 from dlpipe.tracking.store_lock import sqlite_path
+
+# Imported inside functions: mlflow (seconds), only once there is a run to deliver or end: `dlpipe sync --help`
+# and a bad argument answer without it.
 
 log = logging.getLogger("dlpipe")
 
@@ -110,8 +114,6 @@ class Stores:
 
     def open(self, uri: str, password_removed: bool, path: Path):
         """(client, URI as shown): raises StoreAway with the line to print when it cannot be used."""
-        from dlpipe.tracking.client import client_for
-
         self.seen.append((uri, password_removed))
         target, note = target_uri(uri, password_removed, self.option, os.environ)
         if note and target not in self.clients:

@@ -13,8 +13,11 @@ from dlpipe.schema import TrackingConfig
 from dlpipe.stop import Unbroken
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tracking.context_tags import context_tags
+from dlpipe.tracking.null_run import NullRun
 from dlpipe.tracking.outbox import OUTBOX_FILE
-from dlpipe.tracking.run import PARENT_RUN_ENV
+from dlpipe.tracking.run import PARENT_RUN_ENV, MlflowRun
+from dlpipe.tracking.run_names import job_name, swept_keys_of_parent
+from dlpipe.tracking.sidecar_run import SidecarRun
 
 log = logging.getLogger("dlpipe")
 
@@ -38,8 +41,6 @@ def start_tracking(tracking: TrackingConfig):
     run in it; close() it if the job ends before."""
     if not tracking.enabled:
         return None
-    from dlpipe.tracking.sidecar_run import SidecarRun
-
     return SidecarRun.start(tracking.uri, tracking.request_timeout_s, tracking.request_retries)
 
 
@@ -47,13 +48,8 @@ def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], re
              sidecar=None) -> Unbroken:
     """The job's tracking run (tracking.protocols.JobRun; a NullRun with tracking=none), as a context
     manager that ends it: kept in `sidecar` (start_tracking) when given, else in this process."""
-    from dlpipe.tracking.null_run import NullRun
-    from dlpipe.tracking.run import MlflowRun
-
     if not tracking.enabled:
         return NullRun()
-    from dlpipe.tracking.run_names import job_name, swept_keys_of_parent
-
     # Named by what distinguishes it (tracking.run_names): in a sweep, its swept values
     swept = swept_keys_of_parent() if ctx.multirun else None
     name = redact_text(tracking.run_name) if tracking.run_name else job_name(ctx.recipe, ctx.overrides, swept)

@@ -21,9 +21,15 @@ from dlpipe.schema import DlpipeConfig, TrackingConfig
 from dlpipe.stop import ignore_termination, stop_gracefully
 from dlpipe.tasks.preflight import JobContext, preflight
 from dlpipe.tasks.tracking_run import open_run, start_tracking
-from dlpipe.tasks.train_job import build_job
+from dlpipe.tracking.given_run import given_run_id
 from dlpipe.tracking.protocols import JobRun
+from dlpipe.tracking.sidecar_run import SidecarRun
 from dlpipe.training import distributed
+from dlpipe.training.requeue import submitit_signal
+
+# Imported inside functions: torch and every module that imports it (train_job, resume_point,
+# training's checkpoint and resume, loader.fetch, logged_model). The CLI imports this module before it
+# resolves the config, to call start_early: the tracking process starts while torch loads (~1 s).
 
 log = logging.getLogger("dlpipe")
 
@@ -75,14 +81,11 @@ def start_early(cfg: DictConfig):
     usable = isinstance(uri, str) and isinstance(timeout_s, int | float) and isinstance(retries, int)
     if tracking.get("enabled") is not True or not usable or not distributed.ranks_from_env().is_main:
         return None
-    from dlpipe.tracking.sidecar_run import SidecarRun
-
     return SidecarRun.start(uri, timeout_s, retries)
 
 
 def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks, sidecar) -> float | None:
     from dlpipe.tasks.resume_point import checkpoint_folder, require_checkpoint
-    from dlpipe.tracking.given_run import given_run_id
     from dlpipe.training.checkpoint import CheckpointStore
 
     if ranks.is_main:  # rank 0 alone chooses the checkpoint (resume_point)
@@ -116,7 +119,7 @@ def train_tracked(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[s
                   tracking: TrackingConfig, given: str | None, sidecar) -> float | None:
     """Build the job, resume it, fit it inside its tracking run (`tracking`: this rank's settings,
     off but on rank 0; `given`: MLFLOW_RUN_ID's run; `sidecar`: the started tracking process), report it."""
-    from dlpipe.training.requeue import submitit_signal
+    from dlpipe.tasks.train_job import build_job
 
     # Our own process must not be importing mlflow while the loader is measured.
     job = build_job(ctx, raw, cfg, decided, ranks, before_measuring=sidecar.wait_prepared if sidecar else None)

@@ -9,32 +9,50 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
 import yaml
 
 from dlpipe.errors import DataError, DlpipeError, first_line
-from dlpipe.loader.fitting import fit_loader, warn_about_loaders
+from dlpipe.judging.advice import Evidence
+from dlpipe.judging.evidence import gather, measurement_file, settings_of
+from dlpipe.judging.journal import MeasurementFile
+from dlpipe.judging.verdict import diagnose, rss_slope, run_metrics, worker_leak
+from dlpipe.loader.build import LoaderPlan
+from dlpipe.loader.faults import explain_loader_failure
+from dlpipe.loader.fetch import fetch_mode, item_collate
+from dlpipe.loader.fitting import build_loaders, fit_loader, warn_about_loaders
+from dlpipe.loader.threads import fetch_cpu_seconds, worker_method_of
+from dlpipe.loader.worker_method import global_draws
+from dlpipe.loader.worker_signals import start_helper_processes
 from dlpipe.machine import hardware
 from dlpipe.machine.gpu import gpu_for
 from dlpipe.schema import DlpipeConfig
 from dlpipe.stop import StopTraining, Terminated
+from dlpipe.tasks.build import (
+    build_callbacks,
+    build_data_and_model,
+    build_objective_and_metrics,
+    build_scheduler,
+    metric_direction,
+    monitor_mode,
+)
 from dlpipe.tasks.params import flatten, job_params, recorded_config
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.resume_point import checkpoint_folder, resume_hint, resume_point, save_stop_checkpoint
 from dlpipe.tasks.tracking_run import run_tags
+from dlpipe.telemetry.profiling import AllocationSnapshot, StepProfiler
+from dlpipe.telemetry.sampler import ResourceSampler
 from dlpipe.tracking.dataset_input import describe as describe_dataset
 from dlpipe.tracking.protocols import JobRun
-
-if TYPE_CHECKING:  # torch-heavy modules, imported when a job is built
-    from dlpipe.judging.advice import Evidence
-    from dlpipe.judging.journal import MeasurementFile
-    from dlpipe.loader.build import LoaderPlan
-    from dlpipe.telemetry.profiling import AllocationSnapshot, StepProfiler
-    from dlpipe.telemetry.sampler import ResourceSampler
-    from dlpipe.training.checkpoint import CheckpointStore
-    from dlpipe.training.distributed import Ranks
-    from dlpipe.training.runner import Trainer
+from dlpipe.training import distributed
+from dlpipe.training.accumulation import epoch_batches, optimizer_steps, out_of_memory_advice
+from dlpipe.training.checkpoint import CheckpointStore
+from dlpipe.training.distributed import Ranks
+from dlpipe.training.net import compile_failure
+from dlpipe.training.resume import check_model_fits, config_changes, init_weights
+from dlpipe.training.rng import seed_everything
+from dlpipe.training.runner import Trainer
 
 log = logging.getLogger("dlpipe")
 
@@ -45,21 +63,21 @@ class TrainJob:
 
     ctx: JobContext
     cfg: DlpipeConfig
-    ranks: "Ranks"
-    train_plan: "LoaderPlan"
-    val_plan: "LoaderPlan | None"
-    trainer: "Trainer"
-    store: "CheckpointStore"
-    sampler: "ResourceSampler"
-    profiler: "StepProfiler"
-    allocations: "AllocationSnapshot"
+    ranks: Ranks
+    train_plan: LoaderPlan
+    val_plan: LoaderPlan | None
+    trainer: Trainer
+    store: CheckpointStore
+    sampler: ResourceSampler
+    profiler: StepProfiler
+    allocations: AllocationSnapshot
     params: dict[str, str]
     tags: dict[str, str]
     resolved_yaml: str
     config_flat: dict[str, str]
     cpu_budget: int
-    evidence: "Evidence"
-    journal: "MeasurementFile"
+    evidence: Evidence
+    journal: MeasurementFile
     """This job's training-run lines of the measurement journal: the run's own samples/s goes there."""
     dataset_input: dict
     """The dataset as the run's input (tracking.dataset_input.describe)."""
@@ -75,9 +93,6 @@ class TrainJob:
     def resume(self) -> str | None:
         """Load the checkpoint `checkpoint.resume` points to, if any, and return its MLflow run id;
         else start from checkpoint.init_from's weights, if given (fine-tuning)."""
-        from dlpipe.loader.worker_method import global_draws
-        from dlpipe.training.resume import check_model_fits, config_changes, init_weights
-
         start, path = resume_point(self.store, self.cfg.checkpoint.resume, self.ranks)
         if start is None:
             if self.cfg.checkpoint.init_from:  # every rank loads the same file: their weights agree
@@ -102,8 +117,6 @@ class TrainJob:
         """multiprocessing's helper processes for spawn/forkserver workers, started with the stop
         signals ignored: call it before the stop handlers are installed (a signal in those few
         milliseconds would otherwise be dropped)."""
-        from dlpipe.loader.worker_signals import start_helper_processes
-
         start_helper_processes(self.cfg.loader.multiprocessing_context if self.loader.num_workers else None)
 
     def fit(self, metrics) -> list[dict[str, float]]:
@@ -122,10 +135,6 @@ class TrainJob:
         return self.trainer.fit(self.loader, self.val_plan.loader if self.val_plan else None)
 
     def judge(self, metrics: dict[str, float], warm: bool):
-        from dlpipe.judging.verdict import diagnose
-        from dlpipe.loader.fetch import fetch_mode
-        from dlpipe.loader.threads import worker_method_of
-
         loader = self.loader
         return diagnose(metrics, num_workers=loader.num_workers, cpu_budget=self.cpu_budget,
                         pin_memory=bool(loader.pin_memory), device_type=self.trainer.device.type,
@@ -154,13 +163,6 @@ class TrainJob:
     def failures_translated(self):
         """What can end the loop early, as what the CLI and the tracking run expect: a stop becomes
         KeyboardInterrupt or Terminated (after its checkpoint), a fault a user can act on one line."""
-        import torch
-
-        from dlpipe.loader.faults import explain_loader_failure
-        from dlpipe.training import distributed
-        from dlpipe.training.accumulation import out_of_memory_advice
-        from dlpipe.training.net import compile_failure
-
         try:
             yield
         except StopTraining as stop:
@@ -217,9 +219,6 @@ class TrainJob:
 
     def record_outcome(self, run: JobRun, history: list[dict[str, float]]):
         """The run's verdict, worker-memory warning and end tags; returns the verdict."""
-        from dlpipe.judging.evidence import settings_of
-        from dlpipe.judging.verdict import rss_slope, run_metrics, worker_leak
-
         measured = run_metrics(history)
         verdict = self.judge(measured, warm=len(history) > 1)  # run_metrics leaves the first epoch out
         tags = {"dlpipe.gpu_metrics": self.sampler.gpu_status, "dlpipe.optimizer_steps": str(self.trainer.step),
@@ -249,21 +248,6 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
               before_measuring=None) -> TrainJob:
     """Data, model, loaders, trainer, telemetry and checkpoint store, and the run's params and tags.
     `before_measuring` is called before the loader is fitted to the data (which may time it)."""
-    from dlpipe.judging.evidence import gather, measurement_file
-    from dlpipe.loader.fetch import item_collate
-    from dlpipe.loader.fitting import build_loaders
-    from dlpipe.tasks.build import (
-        build_callbacks,
-        build_data_and_model,
-        build_objective_and_metrics,
-        build_scheduler,
-        metric_direction,
-        monitor_mode,
-    )
-    from dlpipe.training.accumulation import epoch_batches, optimizer_steps
-    from dlpipe.training.checkpoint import CheckpointStore
-    from dlpipe.training.rng import seed_everything
-
     # Ranks draw different dropout and augmentation; their weights agree (DDP copies rank 0's).
     seed_everything(cfg.trainer.seed + ranks.rank, cfg.trainer.deterministic)
     train_set, val_set, model, optimizer = build_data_and_model(cfg)
@@ -307,14 +291,6 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
 def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int, extras: dict):
     """The Trainer with its telemetry: (trainer, sampler, profiler, allocation snapshot). `extras` are
     the Trainer's schedule, objective, val_metrics and callbacks (built in tasks.build)."""
-    import torch
-
-    from dlpipe.loader.threads import fetch_cpu_seconds
-    from dlpipe.telemetry.profiling import AllocationSnapshot, StepProfiler
-    from dlpipe.telemetry.sampler import ResourceSampler
-    from dlpipe.training import distributed
-    from dlpipe.training.runner import Trainer
-
     telemetry = cfg.telemetry
     # Ranks other than 0 show no progress bar: one per job is what a person reads.
     settings = cfg.trainer if ranks.is_main else replace(cfg.trainer, progress=False)

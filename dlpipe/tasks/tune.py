@@ -10,22 +10,29 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
 
 from dlpipe.errors import DlpipeError
-from dlpipe.loader import policy
+from dlpipe.judging.evidence import bench_mode, measurement_file
+from dlpipe.loader import policy, worker_method
+from dlpipe.loader.build import NORMALISED, normalise
+from dlpipe.loader.fetch import find_gather
+from dlpipe.loader.fitting import build_collate, loader_settings
+from dlpipe.loader.measure import describe
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard
 from dlpipe.machine import hardware
 from dlpipe.machine.disk import write_atomic, write_failure
+from dlpipe.machine.gpu import gpu_summary
 from dlpipe.schema import DlpipeConfig
 from dlpipe.stop import Terminated, Unbroken
 from dlpipe.tasks.measurement import prepare_measurement
 from dlpipe.tasks.params import config_params, settings_params
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.tracking_run import open_run, run_tags
+from dlpipe.tracking.run import MlflowRun
 
 log = logging.getLogger("dlpipe")
 
@@ -92,10 +99,6 @@ def start_candidate(plan) -> Candidate:
 def dataset_options(cfg: DlpipeConfig, train_set) -> dict[str, bool]:
     """What the dataset allows the search: whole-batch gathers (loader.fetch=batch) where they equal
     its per-item collate, threads unless it draws from the global RNGs (loader.worker_method)."""
-    from dlpipe.loader import worker_method
-    from dlpipe.loader.fetch import find_gather
-    from dlpipe.loader.fitting import build_collate
-
     if not len(train_set):
         return {"gathers": False, "tune_threads": False}
     how, _ = find_gather(train_set, build_collate(cfg.loader))
@@ -115,11 +118,6 @@ def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_
               done: dict[Candidate, Trial]):
     """evaluate(candidate) -> Trial for the search: the memory guard, the measurement, a log line
     and a child MLflow run per measured candidate; each trial also goes into `done` once measured."""
-    from dlpipe.judging.evidence import bench_mode, measurement_file
-    from dlpipe.loader.fitting import loader_settings
-    from dlpipe.loader.measure import describe
-    from dlpipe.tracking.run import MlflowRun
-
     bench, tracking = cfg.bench, cfg.tracking
     settings = loader_settings(cfg.loader)  # loader.collate_fn built: every candidate collates like the job
     cuda = cfg.trainer.device.startswith("cuda")
@@ -153,8 +151,6 @@ def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_
 def trial_params(c: Candidate, settings: dict, cuda: bool) -> dict[str, str]:
     """A trial's params as a job's (common.loader_params): the settings its DataLoader got (the
     candidate's over the config's, normalised as build_loader does), the requested ones beside."""
-    from dlpipe.loader.build import NORMALISED, normalise
-
     chosen = {**settings, **c.settings()}
     asked = {key: chosen[key] for key in NORMALISED}
     effective, requested, _ = normalise(c.num_workers, asked, cuda, c.worker_method)
@@ -215,10 +211,6 @@ def save_result(ctx: JobContext, cfg: DlpipeConfig, budget, result: TuneResult, 
 
 def header(cfg: DlpipeConfig, budget, result: TuneResult) -> str:
     """The comment header of the written file: what it was tuned on and what it measured."""
-    from datetime import datetime
-
-    from dlpipe.machine.gpu import gpu_summary
-
     devices, _ = gpu_summary()
     gpu = ", ".join(d.name for d in devices) or "none"
     limits = [f"affinity {budget.affinity}"]

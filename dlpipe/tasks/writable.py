@@ -18,6 +18,7 @@ from typing import NamedTuple
 from dlpipe.errors import ConfigError
 from dlpipe.machine import disk
 from dlpipe.tracking.store_lock import sqlite_path
+from dlpipe.training.distributed import ranks_from_env
 
 HYDRA_READS = ("config_loader", "config_source", "config_repository")  # Hydra's modules that read config files
 
@@ -53,8 +54,6 @@ def written_folders(output_dir: Path, multirun: bool, resolved: dict) -> list[Ta
 def check_writable(ctx, resolved: dict) -> None:
     """Raise a ConfigError with one line per folder the job (`ctx`: a tasks.preflight.JobContext) would
     fail to write; a folder inside one already named is not named again."""
-    from dlpipe.training.distributed import ranks_from_env
-
     if ranks_from_env().rank > 0:
         return  # torchrun's other ranks write nothing of their own: rank 0 checks
     problems, bad = [], []
