@@ -1,0 +1,327 @@
+"""Rows of parquet files as a stream (a torch IterableDataset), read with pyarrow.
+
+A folder of parquet files larger than memory has no cheap index by row, but reads well in row
+groups, in order. The shards are (file, row group) pairs from the files' footers, and each DataLoader
+worker reads only its own (shard i to worker i % workers): every row is read once an epoch, by one
+worker, so dlpipe's probe (`dlpipe.loader.streams.shares_itself`) finds that the stream shares itself
+out and leaves it alone. A shuffle buffer of N rows mixes rows across row groups in memory bounded by
+N rows (`buffer_bytes`, for the loader's memory budget); the shard order and the buffer's draws come
+from (seed, epoch), so an epoch is reproducible and epochs differ.
+
+Everything a model or a bad config needs is read from the footers (or one column) when the stream is
+built: a missing file or column, or a file that is not parquet, fails there, in one line, before
+anything trains.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from dlpipe.data.tabular import TabularDataset
+from dlpipe.errors import ConfigError, DataError, first_line
+from dlpipe.machine.disk import write_failure
+
+GLOB_CHARS = frozenset("*?[")
+
+
+def find_files(files: str | list[str]) -> list[str]:
+    """The sorted paths `files` names (a glob pattern, or a list of paths and patterns); a pattern
+    that matches nothing is an error naming the folder it looked in (a typo must not drop data)."""
+    found: set[str] = set()
+    for pattern in [files] if isinstance(files, str) else list(files):
+        pattern = os.path.expanduser(str(pattern))
+        if os.path.isdir(pattern):  # a folder: the parquet files in it and below
+            pattern = os.path.join(pattern, "**", "*.parquet")
+        matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+        if not matches:
+            fixed = pattern[:min((pattern.index(c) for c in GLOB_CHARS if c in pattern), default=len(pattern))]
+            folder = os.path.abspath(os.path.dirname(fixed) or ".")
+            raise ConfigError([f"dataset.files={pattern!r}: no file matches it in {folder}; "
+                               "expected parquet files (a glob pattern or a list of paths and patterns)"])
+        found.update(os.path.abspath(p) for p in matches)
+    return sorted(found)
+
+
+def open_parquet(path: str) -> pq.ParquetFile:
+    """The file's footer (schema, row groups), or pyarrow's reason it is not a parquet file."""
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError([f"dataset.files: {path} is not a readable parquet file: {first_line(e)}"]) from e
+
+
+def is_number(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+
+
+def is_vector(kind: pa.DataType) -> bool:
+    """A list column of numbers: one row holds several features (an embedding, say)."""
+    lists = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    return lists and is_number(kind.value_type)
+
+
+def check_column(key: str, name: str, path: str, schema: pa.Schema, allowed) -> pa.DataType:
+    """The column's type, or one line naming the key, the column, the file and what it holds."""
+    if name not in schema.names:
+        raise ConfigError([f"dataset.{key}: column {name!r} is not in {path}; its columns: {', '.join(schema.names)}"])
+    kind = schema.field(name).type
+    if not allowed(kind):
+        what = "numbers or lists of numbers" if key == "input" else "integers (classes) or floats (a regression)"
+        raise ConfigError([f"dataset.{key}: column {name!r} of {path} holds {kind}; allowed: {what}"])
+    return kind
+
+
+def features_of(table: pa.Table, columns: list[str]) -> np.ndarray:
+    """float32 [rows, features]: number columns side by side, a list column spread over its length."""
+    parts = []
+    for name in columns:
+        column = table.column(name).combine_chunks()
+        if is_vector(column.type):
+            parts.append(column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1))
+        else:
+            parts.append(column.to_numpy(zero_copy_only=False).reshape(-1, 1))
+    return np.concatenate(parts, axis=1).astype(np.float32, copy=False)
+
+
+def read_group(path: str, group: int, columns: list[str], opened: dict, convert):
+    """`convert` of one row group's columns; a row group that cannot be read (a file cut short or
+    changed since the stream was built, a missing value) is a DataError naming the file and the row
+    group. `opened` keeps the last file's footer, read once for its row groups in a row."""
+    try:
+        if path not in opened:
+            opened.clear()
+            opened[path] = pq.ParquetFile(path)
+        table = opened[path].read_row_group(group, columns=columns)
+        missing = [name for name in columns if table.column(name).null_count]
+        if missing:
+            raise ValueError(f"missing values in column {missing[0]!r}")
+        return convert(table)
+    except Exception as e:
+        raise DataError(f"dataset.files: {path} row group {group} cannot be read: "
+                        f"{type(e).__name__}: {first_line(e)}") from e
+
+
+class ParquetStream(IterableDataset):
+    """Rows of parquet files, each `(features, target)`: a float32 vector of the `input` columns and,
+    for an integer `target` column, a 0-d int64 tensor (a float one: float32); with `target: null`,
+    the features alone.
+
+    Args:
+        files: a glob pattern, or a list of paths and patterns; read in sorted order.
+        input: a column name, or a list of them stacked into one feature vector (a column may be a
+            list of numbers: it adds its length).
+        target: the target column, or null.
+        shuffle_buffer: rows held to shuffle across row groups (and the shard order shuffled each
+            epoch); 0 reads the files in order.
+        seed: seed of the shard order and the buffer's draws, with the epoch.
+    """
+
+    def __init__(self, files: str | list[str], input: str | list[str], target: str | None = None,
+                 shuffle_buffer: int = 0, seed: int = 0):
+        if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
+            raise ConfigError([f"dataset.shuffle_buffer={shuffle_buffer!r}: must be an integer >= 0 (0: file order)"])
+        self.files = find_files(files)
+        self.input = [input] if isinstance(input, str) else [str(c) for c in input]
+        if not self.input:
+            raise ConfigError(["dataset.input=[]: name a column, or a list of columns for the feature vector"])
+        self.target = target
+        self.shuffle_buffer, self.seed, self.epoch = shuffle_buffer, int(seed), 0
+        self.shards: list[tuple[str, int]] = []
+        self.num_rows = 0
+        for path in self.files:
+            footer = open_parquet(path)
+            schema = self._check_columns(path, footer.schema_arrow)
+            self.shards += [(path, group) for group in range(footer.metadata.num_row_groups)]
+            self.num_rows += footer.metadata.num_rows
+        if self.num_rows == 0:
+            raise ConfigError([f"dataset.files: no rows in {len(self.files)} parquet file(s) ({self.files[0]}, ...)"])
+        self.num_features = self._feature_count(schema)
+        if self.target is not None and self.target_is_class:
+            self.num_classes = self._largest_class() + 1
+
+    @property
+    def in_features(self) -> int:
+        """The feature vector's length (the MLP's in_features; dlpipe fills it from num_features)."""
+        return self.num_features
+
+    def _check_columns(self, path: str, schema: pa.Schema) -> pa.Schema:
+        for name in self.input:
+            check_column("input", name, path, schema, lambda kind: is_number(kind) or is_vector(kind))
+        if self.target is not None:
+            kind = check_column("target", self.target, path, schema, is_number)
+            self.target_is_class = not pa.types.is_floating(kind)  # booleans are classes 0 and 1
+        return schema
+
+    def _feature_count(self, schema: pa.Schema) -> int:
+        """From the schema; a list column of varying length by its first row (that column alone)."""
+        path, group = self.shards[0]
+        count = 0
+        for name in self.input:
+            kind = schema.field(name).type
+            if pa.types.is_fixed_size_list(kind):
+                count += kind.list_size
+            elif is_vector(kind):
+                count += read_group(path, group, [name], {}, lambda rows, name=name: len(rows.column(name)[0].as_py()))
+            else:
+                count += 1
+        return count
+
+    def _largest_class(self) -> int:
+        """The largest target over all files, reading the target column only."""
+        def largest_in(table: pa.Table):
+            return pc.max(table.column(self.target)).as_py()
+
+        largest, opened = -1, {}
+        for path, group in self.shards:
+            top = read_group(path, group, [self.target], opened, largest_in)
+            largest = max(largest, -1 if top is None else int(top))  # None: a row group without rows
+        return largest
+
+    def row_bytes(self) -> int:
+        """Bytes one row takes in the buffer: the float32 features and the target's one number."""
+        target = 0 if self.target is None else 8 if self.target_is_class else 4
+        return 4 * self.num_features + target
+
+    def buffer_bytes(self) -> int:
+        """The most bytes the shuffle buffer holds (per worker reading the stream)."""
+        return self.shuffle_buffer * self.row_bytes()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        order = list(self.shards)
+        if self.shuffle_buffer:
+            shuffled = np.random.default_rng([self.seed, self.epoch]).permutation(len(order))
+            order = [order[i] for i in shuffled]  # the same order in every worker: their shares stay disjoint
+        chunks = self._read(order[worker::workers])
+        if self.shuffle_buffer:
+            rng = np.random.default_rng([self.seed, self.epoch, worker])
+            yield from self._shuffled(chunks, rng)
+        else:
+            for features, targets in chunks:
+                for i in range(len(features)):
+                    yield self._item(features[i].copy(), None if targets is None else targets[i])
+
+    def _read(self, shards: list[tuple[str, int]]) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """(features, targets) of each shard, read one row group at a time; a row group that cannot be
+        read is a DataError naming the file and the row group."""
+        columns = self.input + ([self.target] if self.target is not None else [])
+        opened: dict = {}
+
+        def arrays(table: pa.Table) -> tuple[np.ndarray, np.ndarray | None]:
+            targets = None
+            if self.target is not None:  # booleans as classes 0 and 1
+                kind = np.int64 if self.target_is_class else np.float32
+                targets = table.column(self.target).to_numpy().astype(kind)
+            features = features_of(table, self.input)
+            if features.shape[1] != self.num_features:  # a list column longer or shorter here
+                raise ValueError(f"{features.shape[1]} features a row, {self.num_features} in the first row group")
+            return features, targets
+
+        for path, group in shards:
+            yield read_group(path, group, columns, opened, arrays)
+
+    def _shuffled(self, chunks, rng: np.random.Generator) -> Iterator:
+        """Reservoir-style: fill the buffer to N rows, then for each row read yield a random held one
+        and put the new row in its place; at the end, the rest in random order. Preallocated arrays:
+        the buffer never holds more than N rows."""
+        size, filled = self.shuffle_buffer, 0
+        features = np.empty((size, self.num_features), dtype=np.float32)
+        targets = None if self.target is None else np.empty(size, np.int64 if self.target_is_class else np.float32)
+        for chunk_features, chunk_targets in chunks:
+            draws = rng.integers(size, size=len(chunk_features))
+            for i in range(len(chunk_features)):
+                slot = filled
+                if filled == size:
+                    slot = draws[i]
+                    yield self._item(features[slot].copy(), None if targets is None else targets[slot])
+                else:
+                    filled += 1
+                features[slot] = chunk_features[i]
+                if targets is not None:
+                    targets[slot] = chunk_targets[i]
+        for slot in rng.permutation(filled):
+            yield self._item(features[slot].copy(), None if targets is None else targets[slot])
+
+    def _item(self, features: np.ndarray, target):
+        if target is None:
+            return torch.from_numpy(features)
+        dtype = torch.int64 if self.target_is_class else torch.float32
+        return torch.from_numpy(features), torch.tensor(target, dtype=dtype)
+
+
+class SyntheticTabularParquet(ParquetStream):
+    """TabularDataset's rows (Gaussian class clusters) written once as parquet files and streamed:
+    a parquet recipe that runs on a fresh machine.
+
+    The files go to a folder of `root` named by every argument that shapes them, so other arguments
+    never reuse files written for these; each file is written whole or not at all (a temp name, then
+    renamed), and only when it is missing.
+
+    Args:
+        root: folder of the generated files (``~`` is expanded).
+        size, num_features, num_classes, noise, seed: as TabularDataset (seed also draws the stream's
+            shard order and shuffle buffer).
+        files_count: number of files the rows are split into, in order, >= 1.
+        row_group_size: rows per row group (a shard), >= 1.
+        shuffle_buffer: as ParquetStream.
+    """
+
+    def __init__(self, root: str, size: int = 8192, num_features: int = 32, num_classes: int = 4,
+                 noise: float = 0.5, seed: int = 0, files_count: int = 4, row_group_size: int = 512,
+                 shuffle_buffer: int = 1024):
+        for key, value in (("files_count", files_count), ("row_group_size", row_group_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError([f"dataset.{key}={value!r}: must be an integer >= 1"])
+        if files_count > size:  # a file without rows
+            raise ConfigError([f"dataset.files_count={files_count}: must be <= dataset.size ({size})"])
+        args = dict(size=size, num_features=num_features, num_classes=num_classes, noise=noise, seed=seed)
+        name = f"size{size}-features{num_features}-classes{num_classes}-noise{noise}-seed{seed}"
+        folder = Path(os.path.expanduser(str(root))) / f"{name}-files{files_count}-rows{row_group_size}"
+        paths = [folder / f"part-{i:05d}.parquet" for i in range(files_count)]
+        if not all(path.is_file() for path in paths):
+            try:
+                write_tables(paths, args, row_group_size)
+            except OSError as e:
+                where = Path(e.filename) if e.filename else folder
+                raise DataError(f"dataset.root={str(root)!r}: cannot write {where}: {write_failure(e, where)}") from e
+        columns = [f"f{i}" for i in range(num_features)]
+        super().__init__([str(p) for p in paths], columns, "label", shuffle_buffer, seed)
+
+
+def write_tables(paths: list[Path], args: dict, row_group_size: int) -> None:
+    """TabularDataset(**args)'s rows, split in order over `paths` (columns f0..fN-1 and label), each
+    file that is missing written to a temp name of its own and renamed: a reader (or a second writer,
+    a sweep's other job) sees no file or a whole one."""
+    data = TabularDataset(**args)
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
+    for path, rows in zip(paths, np.array_split(np.arange(len(data)), len(paths)), strict=True):
+        if path.is_file():
+            continue
+        columns = {f"f{i}": data.features[rows, i].numpy() for i in range(data.num_features)}
+        table = pa.table({**columns, "label": data.labels[rows].numpy()})
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:  # as dlpipe.machine.disk.write_atomic, for bytes: synced before the rename, readable by all
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o644)
+                pq.write_table(table, f, row_group_size=row_group_size)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
