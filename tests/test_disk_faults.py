@@ -229,11 +229,24 @@ def test_outbox_file_on_a_full_disk_keeps_writes_in_memory(tmpfs, caplog):
     box.add({"end": "FINISHED"})
     [warning] = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
     assert "No space left on device: 0 B free of 256.0 KiB" in warning
+    assert box.kept_for_sync("FINISHED").startswith(
+        "1000 metrics, 2 other writes and the run's end (FINISHED) are kept in memory only, lost at exit "
+        f"({folder / OUTBOX_FILE} cannot be written: [Errno 28] No space left on device")
     (folder / FILLER).unlink()
     box.add({"tags": {"b": "2"}})  # the file is written afresh: every entry, none torn
+    assert box.kept_for_sync("FAILED") == ("1000 metrics, 3 other writes and the run's end (FAILED) are kept in "
+                                           f"{folder / OUTBOX_FILE}; send them with: dlpipe sync {folder}")
     assert Outbox.load(folder / OUTBOX_FILE).entries == [{"tags": {"a": "1"}}, big, {"end": "FINISHED"},
                                                         {"tags": {"b": "2"}}]
     assert sorted(p.name for p in folder.iterdir()) == [OUTBOX_FILE]
+
+
+def test_an_outbox_without_a_file_says_its_writes_are_lost_at_exit():
+    box = Outbox("sqlite:///m.db", "run1")
+    box.metrics([])
+    box.tags({"a": "1"})
+    assert box.kept_for_sync("KILLED") == ("0 metrics, 1 other writes and the run's end (KILLED) are kept in memory "
+                                           "(lost at exit); send them with: dlpipe sync ")
 
 
 def test_full_store_mid_run_is_an_outage_that_ends(tmpfs, tmp_path, caplog, capfd):

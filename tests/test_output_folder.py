@@ -139,8 +139,8 @@ def test_a_killed_jobs_forked_children_do_not_keep_its_folder(tmp_path):
     try:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=60)
-        fd = hold(tmp_path, "hydra.run.dir")  # FolderInUse if the child still held it
-        assert fd is not None
-        release(tmp_path, fd)
+        lock = hold(tmp_path, "hydra.run.dir")  # FolderInUse if the child still held it
+        assert lock is not None
+        release(lock)
     finally:
         os.kill(child, signal.SIGKILL)

@@ -19,9 +19,9 @@ A run whose tracking process died while its training process goes on is the trai
 from then on: its writes go to the folder's outbox under its name (continue_outbox, keep_call).
 """
 
+# Imported inside functions: mlflow (1-2 s), which a training process using sidecar_run never loads.
 import json
 import logging
-import os
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ import psutil
 
 from dlpipe.errors import first_line
 from dlpipe.machine.disk import write_atomic
+from dlpipe.machine.lock_file import ProcessId
 from dlpipe.redact import without_password
 from dlpipe.tracking.outbox import OUTBOX_FILE, Outbox, clipped, compared_params, set_aside, set_aside_for
 
@@ -47,16 +48,8 @@ PREVIOUS_WAIT_S = 120.0  # for an earlier job's tracking process to end its run 
 
 
 @dataclass(frozen=True)
-class Owner:
-    """The process that opened a run."""
-
-    host: str
-    pid: int
-    started: float  # the process's start time: a pid reused by another process is not the owner
-
-    @classmethod
-    def this_process(cls) -> "Owner":
-        return cls(socket.gethostname(), os.getpid(), psutil.Process().create_time())
+class Owner(ProcessId):
+    """The process that opened a run (its start time: a pid reused by another process is not the owner)."""
 
     @classmethod
     def from_dict(cls, data: dict) -> "Owner | None":
@@ -67,17 +60,10 @@ class Owner:
 
     def gone(self) -> str | None:
         """Why the process is known (or taken) to be gone; None while it runs."""
-        here = socket.gethostname()
-        if self.host != here:
+        running, here = self.running(), socket.gethostname()
+        if running is None:
             return f"its process {self.pid} ran on host {self.host}, which cannot be checked from {here}"
-        try:
-            proc = psutil.Process(self.pid)
-            alive = proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - self.started) < 1
-        except psutil.NoSuchProcess:
-            alive = False
-        except psutil.AccessDenied:
-            alive = True  # it exists, as another user's process: not ours to judge
-        return None if alive else f"its process {self.pid} on {self.host} is gone"
+        return None if running else f"its process {self.pid} on {self.host} is gone"
 
     def tag(self) -> dict[str, str]:
         """The run's own record of this owner (OWNER_TAG)."""
@@ -205,7 +191,7 @@ def wait_for_previous_tracking(owner: Owner | None, timeout_s: float = PREVIOUS_
     """An earlier job's tracking process (tracking.sidecar) still at work here, ending the run of a
     training process that was killed (it waits up to tracking.offline_wait_s for an away server):
     wait for it to exit, so that two processes never write one run or one outbox."""
-    if owner is None or owner.host != socket.gethostname() or owner.gone() is not None:
+    if owner is None or not owner.running():  # gone, or on another host
         return
     try:
         proc = psutil.Process(owner.pid)

@@ -6,6 +6,7 @@ output directory, so even a process that dies while the server is away leaves a 
 `dlpipe sync DIR` replays that file once the server is reachable again.
 """
 
+# Imported inside functions: mlflow (1-2 s), requests, sqlite3: off a training process using sidecar_run.
 import json
 import logging
 import os
@@ -149,6 +150,11 @@ def connect_error(uri: str, timeout_s: float) -> str | None:
         return f"{parts.hostname}:{port}: {e.strerror or e}"
 
 
+def described(counts: dict[str, int]) -> str:
+    """Outbox.counts() in words: `3 metrics, 2 other writes`."""
+    return ", ".join(f"{n} {what}" for what, n in counts.items())
+
+
 @dataclass
 class Outbox:
     """Undelivered writes of one run, in the order they were made."""
@@ -224,6 +230,19 @@ class Outbox:
             "metrics": sum(len(e["metrics"]) for e in self.entries if "metrics" in e),
             "other writes": sum(1 for e in self.entries if "metrics" not in e),
         }
+
+    def kept_for_sync(self, status: str) -> str:
+        """The end of a job's last line when the run's end (`status`) is kept here, with its other
+        writes: what is kept, where, and the command that sends them."""
+        return (f"{described(self.counts())} and the run's end ({status}) are kept in {self.kept_where()}; "
+                f"send them with: dlpipe sync {self.path.parent if self.path else ''}")
+
+    def kept_where(self) -> str:
+        if self.path is None:
+            return "memory (lost at exit)"
+        if self.file_error is not None:
+            return f"memory only, lost at exit ({self.path} cannot be written: {self.file_error})"
+        return str(self.path)
 
     def send(self, client) -> str | None:
         """Deliver every entry in order with `client`; return the end status if one was queued.

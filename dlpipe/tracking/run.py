@@ -19,6 +19,7 @@ connect succeeds again (tried at most every `retry_every_s`, at metric flushes) 
 which waits up to `offline_wait_s` for the server before leaving the file to `dlpipe sync`.
 """
 
+# Imported inside functions: mlflow (1-2 s) and torch, which a training process using sidecar_run never loads.
 import logging
 import time
 from dataclasses import asdict
@@ -38,6 +39,7 @@ from dlpipe.tracking.outbox import (
     clipped,
     compared_params,
     connect_error,
+    described,
     outage_reason,
     send_params,
     set_aside,
@@ -149,7 +151,7 @@ class MlflowRun:
             self.outbox.entries = left.entries  # the file holds them already: new writes go after them
             self._went_away(e)
             return
-        log.info("sent %s kept by the previous attempt", _describe(counts))
+        log.info("sent %s kept by the previous attempt", described(counts))
 
     def _reopen(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException
@@ -271,7 +273,7 @@ class MlflowRun:
             if unreachable(e):
                 return False  # it answered a connect but not the requests: try again later
             raise
-        outage = f"unreachable for {time.monotonic() - self.offline_since:.0f} s; sent late: {_describe(counts)}"
+        outage = f"unreachable for {time.monotonic() - self.offline_since:.0f} s; sent late: {described(counts)}"
         self.outages.append(outage)
         log.warning("tracking server is back (%s)", outage)
         self.offline_since = None
@@ -311,17 +313,8 @@ class MlflowRun:
             self.status = status
             if self.offline_since is not None:
                 self.status = f"{status}, not sent"
-                where = self.outbox.path.parent if self.outbox.path else None
-                log.error("%s after %g s: %s and the run's end (%s) are kept in %s; send them with: dlpipe sync %s",
-                          self._outage("still "), self.offline_wait_s, _describe(self.outbox.counts()),
-                          status, self._kept_where(), where or "")
-
-    def _kept_where(self) -> str:
-        if self.outbox.path is None:
-            return "memory (lost at exit)"
-        if self.outbox.file_error is not None:
-            return f"memory only, lost at exit ({self.outbox.path} cannot be written: {self.outbox.file_error})"
-        return str(self.outbox.path)
+                log.error("%s after %g s: %s", self._outage("still "), self.offline_wait_s,
+                          self.outbox.kept_for_sync(status))
 
     def __enter__(self) -> "MlflowRun":
         return self
@@ -341,7 +334,3 @@ def end_status(exc_type, exc) -> tuple[str, str | None]:
         return "KILLED", f"terminated ({exc})"
     return "FAILED", f"{exc_type.__name__}: {' '.join(user_message(exc))}"
 
-
-
-def _describe(counts: dict[str, int]) -> str:
-    return ", ".join(f"{n} {what}" for what, n in counts.items())

@@ -163,11 +163,8 @@ class SidecarRun:
             self.close()
         if self._kept is not None:
             self.status = f"{status}, not sent"
-            where = self._kept.path or "memory (lost at exit)"
-            counts = self._kept.counts()
-            log.error("MLflow run %s: its tracking process died during the run: %d metrics, %d other writes and the "
-                      "run's end (%s) are kept in %s; send them with: dlpipe sync %s", self.run_id, counts["metrics"],
-                      counts["other writes"], status, where, self._kept.path.parent if self._kept.path else "")
+            log.error("MLflow run %s: its tracking process died during the run: %s", self.run_id,
+                      self._kept.kept_for_sync(status))
 
     def close(self) -> None:
         """Stop the process; a run it opened that end() did not end, it ends KILLED first. Idempotent."""

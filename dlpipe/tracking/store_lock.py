@@ -5,8 +5,8 @@ than the installed MLflow. Two jobs doing that at once (a sweep launched in para
 array on a shared store) collide: `table latest_metrics already exists`, `duplicate column name`,
 `Online migration expected to match one row`, and the job exits. An exclusive `flock` on a file
 next to the store serialises the opening; the runs themselves write concurrently as before
-(SQLite's own locking covers that). The holder writes its pid, host and start time into the lock
-file, so a job that waits can say for whom, and gives up after LOCK_GIVE_UP_S.
+(SQLite's own locking covers that). The holder records itself in the lock file (machine.lock_file),
+so a job that waits can say for whom, and gives up after LOCK_GIVE_UP_S.
 
 The migration is not atomic either: a job killed while it creates a store (kill -9, the OOM
 killer) would leave a half-made file that every later job fails on. So a new store is created
@@ -14,19 +14,18 @@ and migrated in a temporary file beside it (same folder: the rename is atomic) a
 place under the lock; a temporary file a killed creator left is removed by the next opener.
 """
 
-import fcntl
 import logging
 import os
 import secrets
-import socket
 import sqlite3
-import threading
 import time
 from contextlib import closing, contextmanager
+from functools import partial
 from pathlib import Path
 from urllib.parse import unquote
 
 from dlpipe.errors import DlpipeError, causes
+from dlpipe.machine.lock_file import LockFile
 from dlpipe.redact import redact_text
 
 log = logging.getLogger(__name__)
@@ -70,93 +69,47 @@ def store_opening(uri: str, give_up_s: float = LOCK_GIVE_UP_S):
         yield None
         return
     try:
-        fd = os.open(lock_path(db), os.O_RDWR | os.O_CREAT, 0o644)
+        lock = LockFile(lock_path(db))
     except OSError:  # a read-only folder: nothing can create or migrate the store there; MLflow says why it fails
         yield None
         return
-    locked = False
     try:
         try:
-            _acquire(fd, uri, lock_path(db), give_up_s)  # released by the kernel if this process dies holding it
-            locked = True
+            lock.take(partial(_while_waiting, lock, uri, give_up_s, noted=[]), LOCK_POLL_S)
+            lock.record()  # released by the kernel if this process dies holding it
         except OSError as e:  # a filesystem without locks (some NFS and Lustre mounts): open it as MLflow would
-            log.warning("cannot lock %s (%s): opening the store without serialising", lock_path(db), e.strerror or e)
+            log.warning("cannot lock %s (%s): opening the store without serialising", lock.path, e.strerror or e)
         else:
             _remove_leftovers(db)
         yield db
     finally:
-        if locked:  # a later holder that records nothing (flock(1), an older dlpipe) must not be taken for us
-            os.ftruncate(fd, 0)
-        os.close(fd)  # closing the descriptor releases the lock
+        lock.close()  # clears its record: a later holder that records nothing must not be taken for us
 
 
-def _acquire(fd: int, uri: str, lock: Path, give_up_s: float) -> None:
-    """Take the lock and record this process as its holder."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        _wait(fd, uri, lock, give_up_s)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {time.time():.0f}\n".encode(), 0)
+def _while_waiting(lock: LockFile, uri: str, give_up_s: float, waited: float, noted: list) -> None:
+    """Each poll of a wait for the lock: say once (`noted` is empty until then), after
+    LOCK_NOTE_AFTER_S, who holds it, and give up in one line once it has been held `give_up_s` (by
+    this wait, or by the holder's own record of when it took it)."""
+    holder, held_s = _holder(lock)
+    if not noted and waited >= LOCK_NOTE_AFTER_S:  # before giving up: a stalled poll still says it
+        log.warning("waiting for %s, held by %s (another job opening the store: creating or migrating it); "
+                    "giving up after %.0f s", lock.path, holder, give_up_s)
+        noted.append(True)
+    if max(waited, held_s) >= give_up_s:
+        raise DlpipeError(f"tracking.uri={redact_text(uri)}: {lock.path} has been held for {max(waited, held_s):.0f} s "
+                          f"by {holder} (another job opening the store); stop that process if it hangs, "
+                          "then run again")
 
 
-def _wait(fd: int, uri: str, lock: Path, give_up_s: float) -> None:
-    """Wait for the lock, blocked in flock in a thread (the kernel queues the waiters), so that this
-    one can say once, after LOCK_NOTE_AFTER_S, who holds it, and give up in one line once it has been
-    held `give_up_s` (by this wait, or by the holder's own record of when it took it)."""
-    mine = os.dup(fd)  # the thread's own descriptor of the same open file: the lock it takes is `fd`'s too
-    taken, failed = threading.Event(), []
-
-    def take() -> None:
-        try:
-            fcntl.flock(mine, fcntl.LOCK_EX)
-        except OSError as e:
-            failed.append(e)
-        finally:
-            # given up meanwhile, `fd` is closed and this was the file's last descriptor: the lock goes with it
-            os.close(mine)
-            taken.set()
-
-    threading.Thread(target=take, name="dlpipe-store-lock", daemon=True).start()
-    started, noted = time.monotonic(), False
-    while not taken.wait(LOCK_POLL_S):
-        holder, held_s = _holder(fd)
-        waited = time.monotonic() - started
-        if not noted and waited >= LOCK_NOTE_AFTER_S:  # before giving up: a stalled poll still says it
-            log.warning("waiting for %s, held by %s (another job opening the store: creating or migrating it); "
-                        "giving up after %.0f s", lock, holder, give_up_s)
-            noted = True
-        if max(waited, held_s) >= give_up_s:
-            raise DlpipeError(f"tracking.uri={redact_text(uri)}: {lock} has been held for {max(waited, held_s):.0f} s "
-                              f"by {holder} (another job opening the store); stop that process if it hangs, "
-                              "then run again")
-    if failed:
-        raise failed[0]
-
-
-def _holder(fd: int) -> tuple[str, float]:
+def _holder(lock: LockFile) -> tuple[str, float]:
     """(who holds the lock, for how long in seconds, 0 if unknown) from what the holder wrote in the
     file; a holder on another host has another clock, and an older dlpipe wrote nothing."""
-    try:
-        pid, host, since = os.pread(fd, 256, 0).decode().split()
-        since_s, pid_n = float(since), int(pid)
-    except (OSError, UnicodeDecodeError, ValueError):
+    holder = lock.holder()
+    if holder is None:
         return "another process (its pid is not recorded)", 0.0
-    if host != socket.gethostname():
-        return f"pid {pid} on host {host}", 0.0
-    if not _alive(pid_n):  # a holder killed before it cleared its record; the one now holding records nothing
-        return "another process (its pid is not recorded)", 0.0
-    return f"pid {pid}", max(time.time() - since_s, 0.0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        return True
-    return True
+    if holder.running() is None:
+        return f"pid {holder.pid} on host {holder.host}", 0.0
+    return f"pid {holder.pid}", max(time.time() - holder.since, 0.0)
 
 
 def _remove_leftovers(db: Path) -> None:
