@@ -56,6 +56,10 @@ class LoaderConfig:
     main process: no start-up, no pickling, no /dev/shm, one GIL; dlpipe/loader/threads.py) or auto:
     threads where a probe shows they scale (the dataset releases the GIL) and the dataset draws no
     randomness from the global RNGs, or where /dev/shm cannot hold the batches; else processes."""
+    stream_share: str = "auto"
+    """A stream (an IterableDataset) with workers: dlpipe (each worker keeps every Nth item of the whole
+    stream it reads), source (the stream shares itself out, by get_worker_info()) or auto: measured by
+    two workers reading its first items (dlpipe/loader/streams.py). Map datasets ignore it."""
     val_batch_size: int | None = None
     """Validation batch size; None uses batch_size (no gradients, so larger is usually fine)."""
     tuned_on: str | None = None
@@ -249,6 +253,10 @@ class DlpipeConfig:
     """The whole job."""
 
     dataset: Any = MISSING
+    val_dataset: Any = None
+    """Validation data of its own: a `_target_` node built like `dataset` (a stream's validation, or a
+    held-out set). None: validation is trainer.val_fraction of `dataset`, a seeded split; given, it
+    replaces that split (trainer.val_fraction is not used)."""
     model: Any = MISSING
     optim: Any = MISSING
     loss: Any = MISSING
@@ -282,6 +290,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "task": ("train", "bench", "tune", "eval", "plan"),  # the one list: each is dlpipe.tasks.<name>, `dlpipe <name>`
     "loader.fetch": ("auto", "item", "batch"),
     "loader.worker_method": ("auto", "process", "thread"),
+    "loader.stream_share": ("auto", "dlpipe", "source"),
     "loader.multiprocessing_context": ("fork", "spawn", "forkserver"),
     "trainer.amp": ("off", "bf16", "fp16"),
     "trainer.on_nonfinite": ("stop", "skip_step", "warn"),

@@ -48,8 +48,22 @@ def test_every_conf_file_belongs_to_a_tested_option():
     for path in conf_dir().rglob("*.yaml"):
         assert path.name == "config.yaml" or path.parent.name in {
             "dataset", "model", "loader", "optim", "loss", "trainer", "tracking", "telemetry", "checkpoint", "bench",
-            "launcher", "scheduler", "help",  # help: the --help pages, tests/test_help.py shows each
+            "launcher", "scheduler", "val_dataset", "help",  # help: the --help pages, tests/test_help.py shows each
         }, path
+
+
+@pytest.mark.parametrize("option", group_options("val_dataset"))
+def test_val_dataset_options_compose_and_validate(option):
+    """val_dataset=none (no data of its own: the val_fraction split) or custom (a `_target_` like dataset's)."""
+    given = ["val_dataset._target_=dlpipe.data.tabular.TabularDataset", "+val_dataset.size=16"]
+    cfg = make(f"val_dataset={option}", *SMALL["tabular"], "dataset=tabular", "model=mlp",
+               *(given if option == "custom" else []))
+    _, resolved = resolve(cfg)
+    job = validate(resolved)
+    if option == "none":
+        assert job.val_dataset is None
+    else:
+        assert job.val_dataset == {"_target_": "dlpipe.data.tabular.TabularDataset", "size": 16}
 
 
 @pytest.mark.parametrize("preset", group_options("hydra/launcher"))

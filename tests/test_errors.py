@@ -135,7 +135,7 @@ CLI_BAD_INPUT = [
      "tracking.uri=garbage (from the environment variable MLFLOW_TRACKING_URI): a bare word or path is MLflow's "
      "retired file store (allowed only with MLFLOW_ALLOW_FILE_STORE=true); allowed: sqlite:///FILE.db"),
     (["dataset=custom", "dataset._target_=os.getcwd"], {},
-     "dataset._target_=os.getcwd: returned a str (a string, not a dataset); allowed: a map-style dataset class"),
+     "dataset._target_=os.getcwd: returned a str (a string, not a dataset); allowed: a dataset class (a map-style"),
     (["dataset=tokens", "model=cnn", "dataset.size=64"], {},
      "model._target_=dlpipe.models.cnn.SmallCNN cannot take a batch of dataset._target_=dlpipe.data.sequences."
      "TokenSequenceDataset (input [2, 64] int64, target [2, 64] int64): RuntimeError: "),

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 from dlpipe.errors import first_line
 
-DATASET_ALLOWED = ("allowed: a map-style dataset class (a torch.utils.data.Dataset, or any class with __getitem__ "
-                   "and __len__) or a function that returns one")
+DATASET_ALLOWED = ("allowed: a dataset class (a map-style torch.utils.data.Dataset or any class with __getitem__ "
+                   "and __len__, or a stream: a torch.utils.data.IterableDataset) or a function that returns one")
 
 
 def locate(target: str):
@@ -57,9 +57,9 @@ def _subclasses(cls: type, module: str, name: str) -> bool:
 
 
 def not_a_dataset(cls: type) -> str | None:
-    """Why instances of `cls` cannot be the dataset (dlpipe splits it by index: Subset needs
-    __getitem__ and __len__), or None when they can."""
-    if _subclasses(cls, "torch.utils.data", "Dataset"):
+    """Why instances of `cls` cannot be the dataset (a map dataset is split by index: Subset needs
+    __getitem__ and __len__; a stream is read in order), or None when they can."""
+    if _subclasses(cls, "torch.utils.data", "Dataset"):  # IterableDataset (a stream) included
         return None
     if issubclass(cls, Mapping):
         return "a mapping (looked up by key), not a dataset indexed 0..N-1"
@@ -74,12 +74,29 @@ def not_a_dataset(cls: type) -> str | None:
 
 
 def _wrong_kind(group: str, target: str, obj) -> str | None:
-    """One line when the class `dataset._target_` names is not a dataset. A function may return
-    one: what it returns is checked once built (tasks.build.build_datasets)."""
-    if group != "dataset" or not inspect.isclass(obj):
+    """One line when the class `dataset._target_` (or `val_dataset._target_`) names is not a dataset.
+    A function may return one: what it returns is checked once built (tasks.build.build_datasets)."""
+    if group not in ("dataset", "val_dataset") or not inspect.isclass(obj):
         return None
     why = not_a_dataset(obj)
-    return f"dataset._target_={target}: {why}; {DATASET_ALLOWED}" if why else None
+    return f"{group}._target_={target}: {why}; {DATASET_ALLOWED}" if why else None
+
+
+def is_stream_class(target: str) -> bool:
+    """Whether `target` names a stream class (an IterableDataset: read in order, no index); False for
+    anything else, a function or a target that does not import (reported on its own)."""
+    try:
+        obj = locate(target)
+    except ImportError:
+        return False
+    return inspect.isclass(obj) and _subclasses(obj, "torch.utils.data", "IterableDataset")
+
+
+def stream_split_refused(target: str, val_fraction: float) -> str:
+    """The line for a stream given a random validation split: it has no index to split by."""
+    return (f"trainer.val_fraction={val_fraction:g}: dataset._target_={target} is a stream (an IterableDataset: read "
+            "in order, no index), which has no random split; set trainer.val_fraction=0 and give validation data "
+            "as val_dataset (a `_target_` node like dataset's), or leave it out for no validation")
 
 
 def check_target(group: str, node: dict, extra_args: int = 0, fills_in: tuple[str, ...] | None = None) -> list[str]:

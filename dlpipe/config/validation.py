@@ -8,7 +8,7 @@ import os
 import re
 import typing
 
-from dlpipe.config.targets import check_named_targets, check_target, locate
+from dlpipe.config.targets import check_named_targets, check_target, is_stream_class, locate, stream_split_refused
 from dlpipe.config.tracking_checks import check_tracking
 from dlpipe.errors import ConfigError
 from dlpipe.loader import policy
@@ -50,6 +50,7 @@ def _check_loader(c: LoaderConfig) -> list[str]:
     if c.timeout < 0:
         p.append(f"loader.timeout={c.timeout}: must be >= 0 (0 waits forever)")
     p += _not_allowed("loader.fetch", c.fetch) + _not_allowed("loader.worker_method", c.worker_method)
+    p += _not_allowed("loader.stream_share", c.stream_share)
     return p + _not_allowed("loader.multiprocessing_context", c.multiprocessing_context)
 
 
@@ -118,6 +119,17 @@ def _check_checkpoint(c: CheckpointConfig) -> list[str]:
 def _check_metrics(metrics) -> list[str]:
     """metrics: null (defaults for the loss) or name -> `_target_` node, each importable."""
     return check_named_targets("metrics", metrics, "torchmetrics.MeanAbsoluteError")
+
+
+def _check_validation_data(resolved: dict) -> list[str]:
+    """val_dataset, where given, is a dataset like `dataset`; a stream without it has no split to take
+    trainer.val_fraction from (a function returning a stream is checked once built)."""
+    if resolved.get("val_dataset"):  # val_dataset=none composes to {}
+        return check_target("val_dataset", resolved["val_dataset"])
+    target, fraction = resolved["dataset"].get("_target_"), resolved["trainer"].get("val_fraction", 0)
+    if target and fraction and is_stream_class(target):
+        return [stream_split_refused(target, fraction)]
+    return []
 
 
 def _check_bench(c: BenchConfig) -> list[str]:
@@ -266,6 +278,7 @@ def validate(resolved: dict, cpu_budget: int | None = None) -> DlpipeConfig:
     if "tracking" in sections and "checkpoint" in sections:
         problems += _check_log_model(sections["tracking"], sections["checkpoint"])
     problems += check_target("dataset", resolved["dataset"])
+    problems += _check_validation_data(resolved)
     problems += check_target("model", resolved["model"])
     # optimizers take the parameters first (a partial): skip it in the 'allowed' listing
     problems += check_target("optim", resolved["optim"], extra_args=1, fills_in=())
@@ -276,7 +289,7 @@ def validate(resolved: dict, cpu_budget: int | None = None) -> DlpipeConfig:
     problems += _check_scheduler(resolved.get("scheduler"))
     if problems:
         raise ConfigError(problems)
-    return DlpipeConfig(dataset=resolved["dataset"], model=resolved["model"], optim=resolved["optim"],
-                        loss=resolved["loss"], metrics=resolved.get("metrics"), callbacks=resolved.get("callbacks"),
-                        scheduler=resolved.get("scheduler"),
-                        task=resolved.get("task", "train"), **sections)
+    return DlpipeConfig(dataset=resolved["dataset"], val_dataset=resolved.get("val_dataset") or None,
+                        model=resolved["model"], optim=resolved["optim"], loss=resolved["loss"],
+                        metrics=resolved.get("metrics"), callbacks=resolved.get("callbacks"),
+                        scheduler=resolved.get("scheduler"), task=resolved.get("task", "train"), **sections)

@@ -9,6 +9,8 @@ from dlpipe.judging.advice import MODES, Evidence
 from dlpipe.judging.journal import MeasurementFile, job_key, model_key
 from dlpipe.loader.fetch import fetch_mode, item_collate
 from dlpipe.loader.probe import item_fetch_seconds
+from dlpipe.loader.stream_fit import stream_item_seconds
+from dlpipe.loader.streams import is_stream
 from dlpipe.loader.threads import worker_method_of
 from dlpipe.schema import DlpipeConfig
 from dlpipe.training import rng
@@ -32,7 +34,8 @@ def gather(cfg: DlpipeConfig, cpu_budget: int, train_set, loader, enabled: bool 
     first needs it (when workers fetch, the epoch itself cannot show what an item costs the main
     process)."""
     journals = {mode: measurement_file(cfg, cpu_budget, mode, enabled).read() for mode in MODES}
-    probe = (lambda: item_cost_here(train_set, loader)) if loader.num_workers > 0 and len(train_set) else None
+    has_items = is_stream(train_set) or len(train_set)
+    probe = (lambda: item_cost_here(train_set, loader)) if loader.num_workers > 0 and has_items else None
     return Evidence(None, {m: j for m, j in journals.items() if j.observations}, probe)
 
 
@@ -44,6 +47,8 @@ def item_cost_here(train_set, loader) -> float | None:
     state = rng.capture()
     try:
         batch = loader.batch_size or loader.sampler.batch_size  # fetching whole batches: the sampler batches
+        if is_stream(train_set):  # its first items, read here
+            return stream_item_seconds(train_set, batch, collate_fn=loader.collate_fn)
         return item_fetch_seconds(train_set, batch, collate_fn=item_collate(loader))
     except Exception as e:  # noqa: BLE001 - a user's __getitem__ may raise anything
         log.info("no probe of the items for the advice: %s: %s", type(e).__name__, e)

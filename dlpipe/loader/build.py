@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler, default_collate
 
 from dlpipe.loader import policy
-from dlpipe.loader.fetch import BatchGather, EpochBatches, fetch_mode, gather_for
+from dlpipe.loader.fetch import BatchGather, EpochBatches, fetch_mode, gather_for, unwrapped
+from dlpipe.loader.streams import StreamShare, is_stream
 from dlpipe.loader.threads import ThreadLoader, worker_method_of
 from dlpipe.loader.worker_signals import SignalSafeLoader, worker_init_fn
 from dlpipe.schema import LoaderConfig
@@ -114,6 +115,19 @@ def batch_bytes(dataset: Dataset, batch_size: int, collate_fn: Callable | None =
     return _nbytes(collate_fn([dataset[i] for i in range(n)])) * batch_size // n
 
 
+def stream_batch_bytes(stream: IterableDataset, batch_size: int, collate_fn: Callable | None = None) -> int:
+    """batch_bytes of a stream: its first items (ESTIMATE_ITEMS at most, fewer than a batch), read in
+    this process, collated and scaled to batch_size; 0 for an empty stream."""
+    items = []
+    for item in stream:
+        items.append(item)
+        if len(items) == min(batch_size, ESTIMATE_ITEMS):
+            break
+    if not items:
+        return 0
+    return _nbytes((collate_fn or default_collate)(items)) * batch_size // len(items)
+
+
 def _nbytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.element_size() * obj.nelement()
@@ -196,6 +210,7 @@ def build_loader(
     world: int = 1,
     fetch: str = "item",
     worker_method: str = "process",
+    stream_share: str = "source",
 ) -> LoaderPlan:
     """A DataLoader for `dataset`; `cuda` says whether batches will go to a CUDA device. With
     `world` > 1 it loads this rank's share (see EpochOrder); `batch_size` is per rank. `collate_fn`
@@ -204,9 +219,14 @@ def build_loader(
     item, batch (one gather per batch; a ConfigError if the dataset cannot) or auto. `worker_method`
     (loader.worker_method): process (PyTorch's worker processes) or thread (dlpipe.loader.threads);
     auto is decided before (dlpipe.loader.fitting.fit_loader_to_data) and builds processes here."""
-    if collate_fn is not None and not callable(collate_fn):
-        raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__} (a loader.collate_fn "
-                        "node is built by dlpipe.loader.fitting.loader_settings)")
+    _check_collate(collate_fn)
+    if is_stream(dataset):
+        return build_stream_loader(dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
+                                   prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                                   shuffle=shuffle, drop_last=drop_last, timeout=timeout,
+                                   multiprocessing_context=multiprocessing_context, seed=seed, cuda=cuda,
+                                   collate_fn=collate_fn, role=role, rank=rank, fetch=fetch,
+                                   worker_method=worker_method, share=stream_share == "dlpipe")
     asked = dict(zip(NORMALISED, (pin_memory, prefetch_factor, persistent_workers, timeout, multiprocessing_context),
                      strict=True))
     asked_method = worker_method
@@ -249,3 +269,48 @@ def build_loader(
     inflight = policy.inflight_bytes(num_workers, settings["prefetch_factor"], batch)
     return LoaderPlan(loader, [f"{role}: {n}" for n in notes], batch, inflight, settings, requested,
                       fetch_mode(loader), worker_method_of(loader))
+
+
+def _check_collate(collate_fn) -> None:
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__} (a loader.collate_fn "
+                        "node is built by dlpipe.loader.fitting.loader_settings)")
+
+
+def build_stream_loader(stream: IterableDataset, *, batch_size: int, num_workers: int, pin_memory: bool,
+                        prefetch_factor: int | None, persistent_workers: bool, shuffle: bool, drop_last: bool,
+                        timeout: float, multiprocessing_context: str | None, seed: int, cuda: bool,
+                        collate_fn: Callable | None, role: str, rank: int, fetch: str,
+                        worker_method: str, share: bool) -> LoaderPlan:
+    """build_loader for a stream (loader.streams): PyTorch's DataLoader over it, item by item in worker
+    processes, each keeping its share of the items with `share` (loader.stream_share=dlpipe); what a
+    stream cannot take is a note."""
+    notes, requested = [], {}
+    stream = StreamShare(unwrapped(stream), share=share)
+    if shuffle and role == "train":
+        notes.append("loader.shuffle=true ignored: a stream is read in its own order (shuffle it at the source, "
+                     "e.g. a shuffle buffer)")
+    if fetch == "batch":
+        requested["fetch"] = fetch
+        notes.append("loader.fetch=batch ignored: a stream is read item by item")
+    if worker_method == "thread" and num_workers:
+        requested["worker_method"] = worker_method
+        notes.append("loader.worker_method=thread ignored: threads would share one reader of the stream")
+    if persistent_workers and num_workers and hasattr(stream, "set_epoch"):
+        # set_epoch runs in this process; persistent workers keep the copy they started with
+        persistent_workers, requested["persistent_workers"] = False, True
+        notes.append("loader.persistent_workers=true ignored: the stream's set_epoch(epoch) reaches workers only "
+                     "when they start anew")
+    asked = dict(zip(NORMALISED, (pin_memory, prefetch_factor, persistent_workers, timeout, multiprocessing_context),
+                     strict=True))
+    settings, changed, more = normalise(num_workers, asked, cuda)
+    generator = torch.Generator()
+    generator.manual_seed(seed + rank)  # each worker's torch, random and NumPy seeds, as for map datasets
+    loader = SignalSafeLoader(stream, batch_size=batch_size, drop_last=drop_last and role == "train",
+                              collate_fn=collate_fn, num_workers=num_workers, generator=generator,
+                              worker_init_fn=worker_init_fn() if num_workers > 0 else None,
+                              reseed=None if role == "train" else seed + rank, **settings)
+    batch = stream_batch_bytes(stream, batch_size, collate_fn)
+    inflight = policy.inflight_bytes(num_workers, settings["prefetch_factor"], batch)
+    return LoaderPlan(loader, [f"{role}: {n}" for n in notes + more], batch, inflight, settings,
+                      {**changed, **requested}, "item", "process")

@@ -84,8 +84,11 @@ def fetch_mode(loader) -> str:
 
 
 def item_collate(loader):
-    """The collate a loader's batches are made by from items (None: default_collate)."""
-    return loader.dataset.item_collate
+    """The collate a loader's batches are made by from items (None: default_collate). A loader over a
+    stream collates items itself (PyTorch's DataLoader, collate_fn)."""
+    if isinstance(loader.dataset, BatchGather):
+        return loader.dataset.item_collate
+    return loader.collate_fn
 
 
 def gather_for(dataset: Dataset, fetch: str, collate_fn: Callable | None) -> str | None:

@@ -17,6 +17,8 @@ from dlpipe.loader.decisions import prefetch, workers_for_data
 from dlpipe.loader.fetch import find_gather, gather_for
 from dlpipe.loader.lint import lint_job
 from dlpipe.loader.probe import item_fetch_seconds
+from dlpipe.loader.stream_fit import fit_stream
+from dlpipe.loader.streams import is_stream
 from dlpipe.loader.worker_method import global_draws
 from dlpipe.schema import DlpipeConfig, LoaderConfig
 
@@ -31,8 +33,10 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
     to its per-item collate (loader.fetch). Values the user set stand (the lint and `dlpipe tune` can question
     them). `model`: the model, when it is already built (its memory is not the workers'). Returns the
     loader settings and the reason for each value decided here."""
-    reasons = {}
     collate = build_collate(loader)  # the decisions below replace other fields, never collate_fn
+    if is_stream(train_set):  # no index: none of the probes below applies
+        return fit_stream(raw_loader, loader, train_set, world, collate)
+    reasons = {}
     if loader.fetch != "item" and len(train_set):  # first: fetch=batch on a dataset that cannot is refused here
         if loader.fetch == "batch":
             gather_for(train_set, "batch", collate)
@@ -104,7 +108,7 @@ def build_loaders(cfg: DlpipeConfig, train_set, val_set, rank: int = 0, world: i
     cuda = cfg.trainer.device.startswith("cuda")
     seed = cfg.trainer.seed
     train = build_loader(train_set, **lc, seed=seed, cuda=cuda, role="train", rank=rank, world=world)
-    if len(train.loader) == 0:
+    if not is_stream(train_set) and len(train.loader) == 0:
         order = getattr(train.loader.sampler, "sampler", train.loader.sampler)  # under the batches, when fetched so
         raise ConfigError([
             f"loader.batch_size={lc['batch_size']} with loader.drop_last={str(lc['drop_last']).lower()}: the training "
@@ -136,7 +140,8 @@ def warn_about_loaders(cfg: DlpipeConfig, train_set, plans, cpu_budget: int) -> 
     """Each loader's build notes, then the pre-flight lint of the training loader."""
     for note in loader_notes(plans):
         log.warning(note)
-    for line in lint_job(cfg, len(train_set), plans[0].batch_bytes, cpu_budget):
+    size = None if is_stream(train_set) else len(train_set)
+    for line in lint_job(cfg, size, plans[0].batch_bytes, cpu_budget):
         log.warning("lint: %s", line)
 
 

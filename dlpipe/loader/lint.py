@@ -17,7 +17,7 @@ class LoaderFacts:
 
     cpu_budget: int
     cuda: bool
-    train_size: int
+    train_size: int | None  # None: a stream, whose size is not known before it is read
     batch_bytes: int
     shm_free_bytes: int | None
     world_size: int = 1
@@ -52,7 +52,7 @@ def lint_loader(loader: LoaderConfig, epochs: int, facts: LoaderFacts) -> list[s
     if loader.pin_memory and not facts.cuda:
         out.append("loader.pin_memory=true without CUDA: pinned buffers only speed up copies to a GPU and cost "
                    "page-locked RAM; set loader.pin_memory=${cuda_available:}")
-    if loader.persistent_workers and workers:
+    if loader.persistent_workers and workers and facts.train_size is not None:
         batches = policy.batches_per_epoch(facts.train_size, batch, facts.world_size, loader.drop_last)
         keep, why = policy.persist_workers(workers, epochs, batches)
         if not keep:
@@ -64,6 +64,8 @@ def lint_loader(loader: LoaderConfig, epochs: int, facts: LoaderFacts) -> list[s
                    f"batches = {_mb(inflight)} in flight through /dev/shm, which has {_mb(facts.shm_free_bytes)} "
                    "free (Docker's default is 64 MB): workers may die with a bus error; raise --shm-size or "
                    "lower loader.num_workers, loader.prefetch_factor or loader.batch_size")
+    if facts.train_size is None:
+        return out + _lint_stream(loader)
     per_rank = facts.train_size // max(facts.world_size, 1)
     if facts.world_size > 1 and facts.train_size % facts.world_size:
         out.append(f"{facts.train_size} training samples over {facts.world_size} ranks: each epoch repeats "
@@ -75,7 +77,17 @@ def lint_loader(loader: LoaderConfig, epochs: int, facts: LoaderFacts) -> list[s
     return out
 
 
-def lint_job(cfg: DlpipeConfig, train_size: int, batch_bytes: int, cpu_budget: int) -> list[str]:
+def _lint_stream(loader: LoaderConfig) -> list[str]:
+    """A stream dlpipe shares out: every worker reads all of it, to keep its share."""
+    workers = loader.num_workers
+    if workers > 1 and loader.stream_share == "dlpipe":
+        return [f"loader.stream_share=dlpipe: each of the {workers} workers reads the whole stream and keeps "
+                f"1/{workers} of it, so the stream is read {workers} times an epoch; share it out at the source "
+                "(each worker reads its own files or rows by torch.utils.data.get_worker_info()) to read it once"]
+    return []
+
+
+def lint_job(cfg: DlpipeConfig, train_size: int | None, batch_bytes: int, cpu_budget: int) -> list[str]:
     """The lint for a job's config on this machine."""
     from dlpipe.machine.hardware import shm_free_bytes, world_size
 

@@ -8,16 +8,18 @@ naming the key, and nothing is left half-made.
 
 import copy
 import inspect
+import itertools
 import logging
 
 import torch
 from torch.utils.data import Subset, default_collate
 
-from dlpipe.config.targets import DATASET_ALLOWED, locate, not_a_dataset
+from dlpipe.config.targets import DATASET_ALLOWED, locate, not_a_dataset, stream_split_refused
 from dlpipe.errors import ConfigError, DlpipeError
 from dlpipe.instantiate import instantiate_group
 from dlpipe.loader.faults import NamedErrors, SampleError
 from dlpipe.loader.split import train_val_split
+from dlpipe.loader.streams import StreamShare, is_stream
 from dlpipe.schema import SCHEDULER_DEFAULT_INTERVAL, DlpipeConfig
 from dlpipe.tasks.fit_checks import check_monitored, model_data_mismatch
 from dlpipe.training import objective as kinds
@@ -59,23 +61,40 @@ def validation_view(dataset):
 
 
 def build_datasets(cfg: DlpipeConfig):
-    """(train split, validation split or None, the whole dataset); raises ConfigError/DataError."""
+    """(train split, validation split or None, the whole dataset); raises ConfigError/DataError.
+    Validation is val_dataset where given, else trainer.val_fraction of a map dataset (a seeded
+    split); a stream (an IterableDataset) has no split to take it from."""
     check_device(cfg.trainer.device)
     dataset = instantiate_group("dataset", cfg.dataset)
-    check_dataset(cfg.dataset["_target_"], dataset)
+    check_dataset("dataset", cfg.dataset["_target_"], dataset)
+    if cfg.val_dataset:
+        val_set = instantiate_group("val_dataset", cfg.val_dataset)
+        check_dataset("val_dataset", cfg.val_dataset["_target_"], val_set)
+        if cfg.trainer.val_fraction:
+            log.info("trainer.val_fraction=%g not used: val_dataset is the validation data", cfg.trainer.val_fraction)
+        return _named(dataset), _named(validation_view(val_set)), dataset
+    if is_stream(dataset):
+        if cfg.trainer.val_fraction:  # a function returned a stream: validation could not tell
+            raise ConfigError([stream_split_refused(cfg.dataset["_target_"], cfg.trainer.val_fraction)])
+        return dataset, None, dataset
     train_set, val_set = train_val_split(dataset, cfg.trainer.val_fraction, cfg.trainer.seed)
     if val_set is not None:
-        val_set = Subset(validation_view(dataset), val_set.indices)
-        val_set = NamedErrors(val_set)
+        val_set = NamedErrors(Subset(validation_view(dataset), val_set.indices))
     return NamedErrors(train_set), val_set, dataset
 
 
-def check_dataset(target: str, dataset) -> None:
-    """What dataset._target_ built must be a dataset: validation checked a class, but a function
-    (os.getcwd) is only known by what it returns."""
+def _named(dataset):
+    """A map dataset's failures named by index (NamedErrors); a stream's are named where it is read
+    (loader.streams.StreamShare)."""
+    return dataset if is_stream(dataset) else NamedErrors(dataset)
+
+
+def check_dataset(group: str, target: str, dataset) -> None:
+    """What dataset._target_ (or val_dataset._target_) built must be a dataset: validation checked a
+    class, but a function (os.getcwd) is only known by what it returns."""
     why = not_a_dataset(type(dataset))
     if why:
-        raise ConfigError([f"dataset._target_={target}: returned a {type(dataset).__name__} ({why}); "
+        raise ConfigError([f"{group}._target_={target}: returned a {type(dataset).__name__} ({why}); "
                            f"{DATASET_ALLOWED}"])
 
 
@@ -104,13 +123,13 @@ def in_features_of(dataset, input_field: str | None) -> tuple[int, str]:
     if hasattr(dataset, "num_features"):
         return int(dataset.num_features), "the dataset's num_features"
     fix = "set model.in_features to the length of one input vector (or give the dataset a num_features attribute)"
-    if len(dataset) == 0:
-        raise ConfigError([f"model.in_features=null: {type(dataset).__name__} has no num_features and no items; {fix}"])
     state = rng.capture()
     try:
-        item = NamedErrors(dataset)[0]
+        item = next(iter(first_items(dataset, 1)), None)
     finally:
         rng.restore(state)  # an augmenting dataset draws here: the run's streams stay as they were
+    if item is None:
+        raise ConfigError([f"model.in_features=null: {type(dataset).__name__} has no num_features and no items; {fix}"])
     args, _, _ = Objective(input_field=input_field).split(item)
     value = args[0] if args else item
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
@@ -118,6 +137,15 @@ def in_features_of(dataset, input_field: str | None) -> tuple[int, str]:
         raise ConfigError([f"model.in_features=null: {type(dataset).__name__} has no num_features and item 0's "
                            f"input is {what}, not a feature tensor; {fix}"])
     return int(value.shape[-1]), f"the last dimension of dataset item 0's input, shape {list(value.shape)}"
+
+
+def first_items(dataset, count: int) -> list:
+    """The first `count` items (fewer if there are fewer) of a map dataset by index, of a stream as
+    the main process reads it; failures named."""
+    if is_stream(dataset):
+        return list(itertools.islice(StreamShare(dataset, share=False), count))
+    named = dataset if isinstance(dataset, NamedErrors) else NamedErrors(dataset)
+    return [named[i] for i in range(min(count, len(dataset)))]
 
 
 def build_data_and_model(cfg: DlpipeConfig):
@@ -149,7 +177,7 @@ def build_objective(cfg: DlpipeConfig):
 def check_objective(cfg: DlpipeConfig, objective, model, train_set, collate_fn=None):
     """Two real samples through the model and the loss, before anything is tracked: a sample the
     loss cannot use is one line naming the field. Returns the model's predictions for them."""
-    items = [train_set[i] for i in range(min(2, len(train_set)))]
+    items = first_items(train_set, 2)
     try:
         batch = (collate_fn or default_collate)(items)
     except (TypeError, RuntimeError) as e:

@@ -22,6 +22,7 @@ from dlpipe.loader.build import LoaderPlan
 from dlpipe.loader.faults import explain_loader_failure
 from dlpipe.loader.fetch import fetch_mode, item_collate
 from dlpipe.loader.fitting import build_loaders, fit_loader, warn_about_loaders
+from dlpipe.loader.streams import is_stream
 from dlpipe.loader.threads import fetch_cpu_seconds, worker_method_of
 from dlpipe.loader.worker_method import global_draws
 from dlpipe.loader.worker_signals import start_helper_processes
@@ -282,10 +283,15 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     params = {**config_flat, **hardware.host_facts(cpu=budget), **{f"auto.{k}": v for k, v in decided.items()},
               **job_params(cfg, ranks, train_plan, model)}
     config_flat = {k: params[k] for k in config_flat}  # as it runs: the loader's effective settings
-    sizes = {"train": len(train_set), **({"validation": len(val_set)} if val_set is not None else {})}
+    sizes = {"train": size_of(train_set), **({"validation": size_of(val_set)} if val_set is not None else {})}
     return TrainJob(ctx, cfg, ranks, train_plan, val_plan, trainer, store, sampler, profiler, allocations,
                     params, run_tags(ctx), resolved_yaml, config_flat, budget.budget, evidence, journal,
                     describe_dataset(shown["dataset"], sizes))
+
+
+def size_of(dataset) -> int | None:
+    """Samples in a split; None for a stream, which is not counted before it is read."""
+    return None if is_stream(dataset) else len(dataset)
 
 
 def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int, extras: dict):

@@ -10,7 +10,10 @@ import torch
 def epoch_batches(loader, limit_train_batches: int) -> int | None:
     """Micro-batches a training epoch takes: the loader's length (None without one), capped by
     trainer.limit_train_batches."""
-    total = len(loader) if hasattr(loader, "__len__") else None
+    try:
+        total = len(loader)
+    except TypeError:  # no length: a loader over a stream (PyTorch's asks the dataset, which has none)
+        total = None
     if limit_train_batches > 0:
         total = min(total, limit_train_batches) if total is not None else limit_train_batches
     return total

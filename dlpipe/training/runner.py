@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
 import torch
+from torch.utils.data import IterableDataset
 
 from dlpipe.console import Progress
 from dlpipe.schema import TrainerConfig
@@ -232,6 +233,8 @@ class Trainer:
         sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)  # the order depends on (seed, epoch) only: resumable, like DistributedSampler
+        elif isinstance(getattr(loader, "dataset", None), IterableDataset) and hasattr(loader.dataset, "set_epoch"):
+            loader.dataset.set_epoch(epoch)  # a stream orders itself by the epoch (a Hugging Face stream does)
         iterator = iter(loader)
         if pending is None:
             return iterator, 0

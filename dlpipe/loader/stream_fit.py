@@ -1,0 +1,102 @@
+"""The automatic loader values of a stream (loader.streams), decided on the built stream: the workers
+(none where items are so cheap that workers only add hand-over), who fetches (worker processes:
+each reads its own copy of the stream) and whether dlpipe shares the stream out among them
+(loader.stream_share: measured, see loader.streams.shares_itself).
+
+The map-dataset decisions (loader.fitting) need an index: a whole-batch gather, a probe of items
+spread over the data, batches per epoch. A stream has none, so each of those is a reason here.
+"""
+
+import time
+from dataclasses import replace
+
+from torch.utils.data import IterableDataset, default_collate
+
+from dlpipe.errors import ConfigError, DataError
+from dlpipe.loader import policy
+from dlpipe.loader.decisions import prefetch, workers_for_data
+from dlpipe.loader.streams import shares_itself
+from dlpipe.schema import LoaderConfig
+
+PROBE_TIMEOUT_S = 60.0  # for the probing workers' first items: a reader of remote files may be slow to open
+
+
+def stream_item_seconds(stream: IterableDataset, batch_size: int, collate_fn=None, enough_s: float = 0.01) -> float:
+    """Mean seconds per item to read and collate the stream's first items here (item_fetch_seconds of
+    a map dataset), past its first item, which pays for opening it."""
+    collate = collate_fn if collate_fn is not None else default_collate
+    items, started, count = [], None, 0
+    for item in stream:
+        if started is None:  # the first item opens the stream: untimed, like a worker's start-up
+            collate([item])
+            started = time.perf_counter()
+            continue
+        items.append(item)
+        count += 1
+        if len(items) == batch_size:
+            collate(items)
+            items = []
+        if count >= 2 * batch_size or time.perf_counter() - started > enough_s:
+            break
+    if started is None or not count:
+        return 0.0
+    if items:
+        collate(items)
+    return (time.perf_counter() - started) / count
+
+
+def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, world: int,
+               collate_fn=None) -> tuple[LoaderConfig, dict[str, str]]:
+    """fit_loader_to_data for a stream: (the loader settings, the reason for each value decided here)."""
+    if world > 1:
+        raise DataError(f"the dataset is a stream ({type(stream).__name__}, an IterableDataset) and {world} ranks "
+                        "train it: streams train in one process for now (trainer.devices=1, no torchrun)")
+    reasons = {}
+    if loader.fetch != "item":
+        reasons["loader.fetch"] = "item (auto: a stream is read item by item)" if loader.fetch == "auto" else \
+            "item (loader.fetch=batch does not apply: a stream is read item by item)"
+        loader = replace(loader, fetch="item")
+    if policy.is_auto(raw_loader["num_workers"], "auto_workers") and loader.num_workers:
+        decision = workers_for_data(loader.num_workers, stream_item_seconds(stream, loader.batch_size, collate_fn))
+        if decision.value != loader.num_workers:
+            loader = replace(loader, num_workers=decision.value)
+            reasons["loader.num_workers"] = f"{decision.value} (auto: {decision.reason}; the stream's first items)"
+            if policy.is_auto(raw_loader["prefetch_factor"], "auto_prefetch"):
+                follows = prefetch(decision.value)
+                loader = replace(loader, prefetch_factor=follows.value)
+                reasons["loader.prefetch_factor"] = f"{follows.value} (auto: {follows.reason})"
+    if loader.worker_method != "process":
+        reasons["loader.worker_method"] = ("process (auto: a stream: each worker process reads its own copy; "
+                                           "threads would share one reader)")
+        loader = replace(loader, worker_method="process")
+    return _share(loader, stream, reasons), reasons
+
+
+def _share(loader: LoaderConfig, stream: IterableDataset, reasons: dict[str, str]) -> LoaderConfig:
+    """loader.stream_share=auto decided by the probe: `dlpipe` (each worker keeps every Nth item) for a
+    stream that yields all its items to every worker, `source` for one that shares itself out."""
+    if loader.stream_share != "auto":
+        return loader
+    if not loader.num_workers:
+        reasons["loader.stream_share"] = "source (auto: no workers: the main process reads the stream once)"
+        return replace(loader, stream_share="source")
+    shares, why = shares_itself(stream, loader.multiprocessing_context, PROBE_TIMEOUT_S)
+    if shares is None:
+        raise ConfigError([f"loader.stream_share=auto: cannot tell whether the stream shares itself out among "
+                           f"workers ({why}); set loader.stream_share=source (it does, by get_worker_info()) or "
+                           "loader.stream_share=dlpipe (each worker keeps every Nth item)"])
+    if shares:
+        reasons["loader.stream_share"] = f"source (auto: {why})"
+        return replace(loader, stream_share="source")
+    n = loader.num_workers
+    reasons["loader.stream_share"] = (
+        f"dlpipe (auto: {why}: each of the {n} workers keeps every {_ordinal(n)} item, so each sample comes once an "
+        f"epoch; each worker still reads the whole stream: share it out at the source with get_worker_info() "
+        f"to read 1/{n} each)")
+    return replace(loader, stream_share="dlpipe")
+
+
+def _ordinal(n: int) -> str:
+    """2 -> 2nd, 3 -> 3rd, 11 -> 11th, 22 -> 22nd."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"

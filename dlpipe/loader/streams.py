@@ -1,0 +1,136 @@
+"""Streams: datasets read in order (a torch IterableDataset: no length, no index), such as a reader
+of files or a Hugging Face dataset in streaming mode.
+
+A DataLoader hands each worker a copy of the stream. A stream that does not share itself out
+(by `get_worker_info()`) then yields every sample once per worker, each epoch: the classic
+duplicate-samples mistake. Whether a stream shares itself out is measured here, not guessed: two
+worker processes read its first items (`shares_itself`). One that does not is shared out by
+`StreamShare`: each worker keeps every Nth item, so every sample is trained on once an epoch, at
+the cost of every worker reading (and skipping) the whole stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from dlpipe.errors import DataError
+from dlpipe.loader.fetch import unwrapped
+from dlpipe.loader.worker_signals import SignalSafeLoader, worker_init_fn
+
+PROBE_ITEMS = 8
+"""Items each probing worker reads: enough to tell a share from the whole stream, few enough to
+cost a fraction of a second on a reader of files."""
+
+
+class StreamError(DataError):
+    """An item of a stream could not be produced; names its place in the stream (and worker)."""
+
+
+def is_stream(dataset: Dataset) -> bool:
+    """Whether `dataset` (or the user's dataset in dlpipe's wrappers) is read in order, not by index."""
+    return isinstance(unwrapped(dataset), IterableDataset)
+
+
+class StreamShare(IterableDataset):
+    """The stream as this DataLoader worker reads it: its failures named by their place in the stream,
+    and, with `share=True`, only this worker's share (every Nth item from its own offset).
+    `set_epoch` reaches the stream (a Hugging Face stream reshuffles its shards and buffer by it)."""
+
+    dlpipe_wrapper = True  # dlpipe.loader.fetch.unwrapped() looks through it
+
+    def __init__(self, stream: IterableDataset, share: bool):
+        self.dataset, self.share = stream, share
+
+    def __getattr__(self, name):
+        # num_classes and the like read as on the stream; `dataset` guarded for unpickling in a worker
+        if name == "dataset" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        where = f" (worker {worker} of {workers})" if workers > 1 else ""
+        every = workers if self.share else 1
+        items = iter(self.dataset)
+        position = 0
+        while True:
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            except DataError:
+                raise
+            except Exception as e:
+                raise StreamError(f"stream item {position}{where}: {type(e).__name__}: {e}") from e
+            if position % every == worker % every:
+                yield item
+            position += 1
+
+
+def fingerprint(item) -> str:
+    """A digest of an item's values (tensors and arrays by their bytes, shape and dtype), equal for
+    equal items whichever process produced them (a worker hands arrays over as tensors)."""
+    digest = hashlib.sha1()
+
+    def feed(value) -> None:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().numpy()
+        if isinstance(value, np.ndarray):
+            digest.update(f"{value.dtype}{value.shape}".encode())
+            digest.update(np.ascontiguousarray(value).tobytes())
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                digest.update(str(key).encode())
+                feed(value[key])
+        elif isinstance(value, (list, tuple)):  # alike: a worker's default_convert may turn one into the other
+            digest.update(f"sequence{len(value)}".encode())
+            for part in value:
+                feed(part)
+        else:
+            digest.update(pickle.dumps(value))
+
+    feed(item)
+    return digest.hexdigest()
+
+
+def first_items(stream: IterableDataset, count: int) -> list[str]:
+    """Fingerprints of the stream's first `count` items, read in this process."""
+    found = []
+    for item in stream:
+        found.append(fingerprint(item))
+        if len(found) == count:
+            break
+    return found
+
+
+def shares_itself(stream: IterableDataset, context: str | None, timeout_s: float) -> tuple[bool | None, str]:
+    """(whether the stream gives each DataLoader worker its own share of the items, why): two worker
+    processes read up to PROBE_ITEMS items each, compared with the stream's first items read here.
+    None where it cannot be told: the stream yields other items on each pass through it."""
+    here = first_items(stream, PROBE_ITEMS)
+    if here != first_items(stream, PROBE_ITEMS):
+        return None, "its first items differ between two passes in this process"
+    loader = SignalSafeLoader(stream, batch_size=None, num_workers=2, multiprocessing_context=context,
+                              timeout=timeout_s, worker_init_fn=worker_init_fn())
+    by_worker: list[list[str]] = [[], []]
+    for position, item in enumerate(loader):  # the workers take turns, 0, 1, 0, 1, ... while both have items
+        by_worker[position % 2].append(fingerprint(item))
+        if position + 1 == 2 * PROBE_ITEMS:
+            break
+    if by_worker[0] == by_worker[1] == here[:len(by_worker[0])] and by_worker[0]:
+        return False, f"2 workers each yielded the stream's first {len(by_worker[0])} items"
+    if by_worker[0] != by_worker[1]:
+        return True, "2 workers yielded different items (the stream shares itself out by get_worker_info())"
+    return None, "2 workers yielded the same items, but not the ones read in this process"
+

@@ -1,0 +1,136 @@
+"""Streams (IterableDatasets): whether a stream shares itself out among DataLoader workers, measured
+with real worker processes, and dlpipe's share of one that does not: every sample once an epoch."""
+
+from collections import Counter
+
+import pytest
+import torch
+from stream_data import Noise, Rows, SharedOut
+from torch.utils.data import DataLoader
+
+from dlpipe.data.tabular import TabularDataset
+from dlpipe.errors import ConfigError, DataError
+from dlpipe.loader.build import build_loader
+from dlpipe.loader.faults import NamedErrors
+from dlpipe.loader.stream_fit import fit_stream
+from dlpipe.loader.streams import StreamError, StreamShare, fingerprint, is_stream, shares_itself
+from dlpipe.schema import LoaderConfig
+
+
+def read_all(stream, workers: int) -> Counter:
+    loader = DataLoader(stream, batch_size=None, num_workers=workers)
+    return Counter(int(x[0]) for x, _ in loader)
+
+
+def test_a_stream_is_told_from_a_map_dataset_through_dlpipes_wrappers():
+    assert is_stream(Rows()) and is_stream(StreamShare(Rows(), share=False))
+    assert not is_stream(TabularDataset(size=8)) and not is_stream(NamedErrors(TabularDataset(size=8)))
+
+
+def test_a_stream_that_does_not_share_itself_out_is_measured_so_and_dlpipe_shares_it():
+    shares, why = shares_itself(Rows(), context=None, timeout_s=60)
+    assert (shares, why) == (False, "2 workers each yielded the stream's first 8 items")
+    assert read_all(Rows(), 2) == Counter({i: 2 for i in range(40)})  # the mistake: every row twice
+    for workers in (0, 1, 2, 3):
+        assert read_all(StreamShare(Rows(), share=True), workers) == Counter(range(40)), workers
+
+
+def test_a_stream_that_shares_itself_out_is_measured_so_and_left_alone():
+    shares, why = shares_itself(SharedOut(), context=None, timeout_s=60)
+    assert shares is True and "get_worker_info" in why
+    for workers in (2, 3):
+        assert read_all(StreamShare(SharedOut(), share=False), workers) == Counter(range(40))
+
+
+def test_a_stream_that_yields_other_items_each_pass_cannot_be_told():
+    assert shares_itself(Noise(), context=None, timeout_s=60) == (
+        None, "its first items differ between two passes in this process")
+
+
+def test_a_failing_item_is_named_by_its_place_in_the_stream_and_its_worker():
+    with pytest.raises(StreamError, match=r"^stream item 5: OSError: truncated record$"):
+        list(StreamShare(Rows(fail_at=5), share=True))
+    loader = DataLoader(StreamShare(Rows(fail_at=5), share=True), batch_size=None, num_workers=2)
+    with pytest.raises(StreamError, match=r"stream item 5 \(worker [01] of 2\): OSError: truncated record"):
+        list(loader)
+
+
+def test_the_epoch_reaches_the_stream_and_attributes_read_through():
+    share = StreamShare(Rows(), share=False)
+    share.set_epoch(3)
+    assert {int(x[1]) for x, _ in share} == {3} and share.size == 40
+
+
+def test_a_fingerprint_is_of_the_values_not_the_objects():
+    assert fingerprint((torch.arange(3), 1)) == fingerprint((torch.arange(3), 1))
+    assert fingerprint((torch.arange(3), 1)) != fingerprint((torch.arange(3).float(), 1))  # dtype counts
+    assert fingerprint({"a": torch.zeros(2), "b": [1, "x"]}) == fingerprint({"b": [1, "x"], "a": torch.zeros(2)})
+
+
+def build(stream, **overrides):
+    settings = dict(batch_size=8, num_workers=2, pin_memory=False, prefetch_factor=2, persistent_workers=True,
+                    shuffle=True, drop_last=False, timeout=0.0, multiprocessing_context=None, seed=0, cuda=False)
+    return build_loader(stream, **{**settings, **overrides})
+
+
+def test_a_streams_loader_batches_each_sample_once_and_says_what_it_ignored():
+    plan = build(Rows(size=43), fetch="batch", worker_method="thread", stream_share="dlpipe")
+    seen = Counter(int(i) for x, _ in plan.loader for i in x[:, 0])
+    assert seen == Counter(range(43))
+    assert (plan.fetch, plan.worker_method) == ("item", "process")
+    assert plan.notes == [
+        "train: loader.shuffle=true ignored: a stream is read in its own order (shuffle it at the source, e.g. a "
+        "shuffle buffer)",
+        "train: loader.fetch=batch ignored: a stream is read item by item",
+        "train: loader.worker_method=thread ignored: threads would share one reader of the stream",
+        "train: loader.persistent_workers=true ignored: the stream's set_epoch(epoch) reaches workers only when "
+        "they start anew"]
+    assert plan.requested == {"fetch": "batch", "worker_method": "thread", "persistent_workers": True}
+    assert plan.batch_bytes == 8 * (2 * 4 + 8)  # two float32 values and an int64 label per item
+
+
+def test_validation_of_a_stream_keeps_its_last_short_batch():
+    plan = build(Rows(size=43), stream_share="dlpipe", role="val", drop_last=True, shuffle=False,
+                 persistent_workers=False)
+    assert sum(len(y) for _, y in plan.loader) == 43 and plan.notes == []
+
+
+RAW_AUTO = {"num_workers": "${auto_workers:}", "prefetch_factor": "${auto_prefetch:${.num_workers}}"}
+RAW_SET = {"num_workers": 2, "prefetch_factor": 2}
+
+
+def test_a_streams_automatic_values_say_why_and_its_share_is_measured():
+    asked = LoaderConfig(batch_size=8, num_workers=2, prefetch_factor=2, fetch="auto", worker_method="auto")
+    loader, reasons = fit_stream(RAW_SET, asked, Rows(), world=1)
+    assert (loader.fetch, loader.worker_method, loader.stream_share) == ("item", "process", "dlpipe")
+    assert reasons == {
+        "loader.fetch": "item (auto: a stream is read item by item)",
+        "loader.worker_method": "process (auto: a stream: each worker process reads its own copy; threads would "
+                                "share one reader)",
+        "loader.stream_share": "dlpipe (auto: 2 workers each yielded the stream's first 8 items: each of the 2 "
+                               "workers keeps every 2nd item, so each sample comes once an epoch; each worker still "
+                               "reads the whole stream: share it out at the source with get_worker_info() to read "
+                               "1/2 each)"}
+    loader, reasons = fit_stream(RAW_SET, asked, SharedOut(), world=1)
+    assert loader.stream_share == "source" and "get_worker_info" in reasons["loader.stream_share"]
+
+
+def test_cheap_stream_items_take_no_workers_and_a_set_share_stands():
+    asked = LoaderConfig(batch_size=8, num_workers=2, prefetch_factor=2, stream_share="dlpipe")
+    loader, reasons = fit_stream(RAW_AUTO, asked, Rows(), world=1)  # rows made in microseconds
+    assert (loader.num_workers, loader.prefetch_factor, loader.stream_share) == (0, None, "dlpipe")
+    assert reasons["loader.num_workers"].startswith("0 (auto: items take ")
+    assert reasons["loader.num_workers"].endswith("; the stream's first items)")
+    assert "loader.stream_share" not in reasons
+
+
+def test_a_stream_whose_share_cannot_be_measured_or_that_several_ranks_train_is_one_line():
+    asked = LoaderConfig(batch_size=8, num_workers=2, prefetch_factor=2)
+    with pytest.raises(ConfigError) as e:
+        fit_stream(RAW_SET, asked, Noise(), world=1)
+    assert e.value.problems == [
+        "loader.stream_share=auto: cannot tell whether the stream shares itself out among workers (its first items "
+        "differ between two passes in this process); set loader.stream_share=source (it does, by get_worker_info()) "
+        "or loader.stream_share=dlpipe (each worker keeps every Nth item)"]
+    with pytest.raises(DataError, match=r"^the dataset is a stream \(Rows, an IterableDataset\) and 2 ranks train it"):
+        fit_stream(RAW_SET, asked, Rows(), world=2)
