@@ -95,15 +95,17 @@ def test_validation_of_a_stream_keeps_its_last_short_batch():
     assert sum(len(y) for _, y in plan.loader) == 43 and plan.notes == []
 
 
-RAW_AUTO = {"num_workers": "${auto_workers:}", "prefetch_factor": "${auto_prefetch:${.num_workers}}"}
+RAW_AUTO = {"num_workers": "${auto_workers:}", "prefetch_factor": "${auto_prefetch:${.num_workers}}",
+            "persistent_workers": "${auto_persistent:${.num_workers},2,0,8,0.0,false}"}
 RAW_SET = {"num_workers": 2, "prefetch_factor": 2}
 
 
 def test_a_streams_automatic_values_say_why_and_its_share_is_measured():
     asked = LoaderConfig(batch_size=8, num_workers=2, prefetch_factor=2, fetch="auto", worker_method="auto")
-    loader, reasons = fit_stream(RAW_SET, asked, Rows(), world=1)
+    loader, reasons = fit_stream(RAW_SET, asked, Rows(), world=1, epochs=2)
     assert (loader.fetch, loader.worker_method, loader.stream_share) == ("item", "process", "dlpipe")
     assert reasons == {
+        "loader.shuffle": "False (a stream is read in its own order: it shuffles itself, e.g. a shuffle buffer)",
         "loader.fetch": "item (auto: a stream is read item by item)",
         "loader.worker_method": "process (auto: a stream: each worker process reads its own copy; threads would "
                                 "share one reader)",
@@ -111,14 +113,16 @@ def test_a_streams_automatic_values_say_why_and_its_share_is_measured():
                                "workers keeps every 2nd item, so each sample comes once an epoch; each worker still "
                                "reads the whole stream: share it out at the source with get_worker_info() to read "
                                "1/2 each)"}
-    loader, reasons = fit_stream(RAW_SET, asked, SharedOut(), world=1)
+    loader, reasons = fit_stream(RAW_SET, asked, SharedOut(), world=1, epochs=2)
     assert loader.stream_share == "source" and "get_worker_info" in reasons["loader.stream_share"]
 
 
 def test_cheap_stream_items_take_no_workers_and_a_set_share_stands():
     asked = LoaderConfig(batch_size=8, num_workers=2, prefetch_factor=2, stream_share="dlpipe")
-    loader, reasons = fit_stream(RAW_AUTO, asked, Rows(), world=1)  # rows made in microseconds
+    loader, reasons = fit_stream(RAW_AUTO, asked, Rows(), world=1, epochs=2)  # rows made in microseconds
     assert (loader.num_workers, loader.prefetch_factor, loader.stream_share) == (0, None, "dlpipe")
+    assert reasons["loader.persistent_workers"] == ("False (auto: no workers to keep (0 workers, 2 epochs, unknown "
+                                                    "batches an epoch))")
     assert reasons["loader.num_workers"].startswith("0 (auto: items take ")
     assert reasons["loader.num_workers"].endswith("; the stream's first items)")
     assert "loader.stream_share" not in reasons
@@ -127,10 +131,19 @@ def test_cheap_stream_items_take_no_workers_and_a_set_share_stands():
 def test_a_stream_whose_share_cannot_be_measured_or_that_several_ranks_train_is_one_line():
     asked = LoaderConfig(batch_size=8, num_workers=2, prefetch_factor=2)
     with pytest.raises(ConfigError) as e:
-        fit_stream(RAW_SET, asked, Noise(), world=1)
+        fit_stream(RAW_SET, asked, Noise(), world=1, epochs=2)
     assert e.value.problems == [
         "loader.stream_share=auto: cannot tell whether the stream shares itself out among workers (its first items "
         "differ between two passes in this process); set loader.stream_share=source (it does, by get_worker_info()) "
         "or loader.stream_share=dlpipe (each worker keeps every Nth item)"]
     with pytest.raises(DataError, match=r"^the dataset is a stream \(Rows, an IterableDataset\) and 2 ranks train it"):
-        fit_stream(RAW_SET, asked, Rows(), world=2)
+        fit_stream(RAW_SET, asked, Rows(), world=2, epochs=2)
+
+
+def test_workers_of_a_stream_that_reorders_by_epoch_start_anew_each_epoch():
+    raw = {**RAW_SET, "persistent_workers": RAW_AUTO["persistent_workers"]}
+    asked = LoaderConfig(batch_size=8, num_workers=2, prefetch_factor=2, persistent_workers=True, stream_share="dlpipe")
+    loader, reasons = fit_stream(raw, asked, Rows(), world=1, epochs=3)  # Rows has set_epoch
+    assert not loader.persistent_workers
+    assert reasons["loader.persistent_workers"] == ("False (auto: the stream's set_epoch(epoch) reaches workers only "
+                                                    "when they start anew)")

@@ -59,3 +59,21 @@ def test_a_failing_stream_item_is_named_and_the_run_ends_failed(dlpipe, mlflow_s
     [run] = runs_of(mlflow_client, "stream-fail")
     assert run.info.status == "FAILED"
     assert "stream item 13: OSError: truncated record" in run.data.tags["dlpipe.end_reason"]
+
+
+def test_plan_and_bench_take_a_stream_and_tune_says_it_does_not_yet(dlpipe, tmp_path):
+    r = dlpipe("plan", *STREAM, "loader.num_workers=2")
+    assert r.returncode == 0, r.stderr
+    assert "DataLoader (train, a stream): " in r.stdout
+    assert "loader.stream_share = dlpipe (auto: 2 workers each yielded the stream's first 8 items" in r.stdout
+    assert "lint: loader.stream_share=dlpipe: each of the 2 workers reads the whole stream" in r.stdout
+    r = dlpipe("bench", *STREAM, "loader.num_workers=0", "tracking=none", "bench.batches=3", "bench.warmup_batches=1")
+    assert r.returncode == 0, r.stderr
+    assert "bench: " in r.stdout and "samples/s" in r.stdout
+    made = sorted((tmp_path / "outputs").rglob("*"))  # bench's folder
+    r = dlpipe("tune", *STREAM, "tracking=none")
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "dlpipe: error: dlpipe tune: dataset._target_=stream_data.Rows is a stream; the search runs on map datasets "
+        "for now: compare a stream's loader settings with `dlpipe bench --multirun ... loader.num_workers=0,2,4`"]
+    assert sorted((tmp_path / "outputs").rglob("*")) == made  # tune left nothing behind

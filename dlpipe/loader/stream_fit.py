@@ -7,6 +7,7 @@ The map-dataset decisions (loader.fitting) need an index: a whole-batch gather, 
 spread over the data, batches per epoch. A stream has none, so each of those is a reason here.
 """
 
+import itertools
 import time
 from dataclasses import replace
 
@@ -21,37 +22,43 @@ from dlpipe.schema import LoaderConfig
 PROBE_TIMEOUT_S = 60.0  # for the probing workers' first items: a reader of remote files may be slow to open
 
 
-def stream_item_seconds(stream: IterableDataset, batch_size: int, collate_fn=None, enough_s: float = 0.01) -> float:
-    """Mean seconds per item to read and collate the stream's first items here (item_fetch_seconds of
-    a map dataset), past its first item, which pays for opening it."""
+def stream_item_seconds(stream: IterableDataset, batch_size: int, collate_fn=None,
+                        enough_s: float = 0.01) -> float | None:
+    """Mean seconds per item to read and collate the stream's items here (item_fetch_seconds of a map
+    dataset), after a first, untimed batch: it pays for opening the stream (a file, a shuffle buffer
+    filling) and for the collate's first calls, which spread over a few items would read as an
+    expensive item. None when the stream ends before anything is timed."""
     collate = collate_fn if collate_fn is not None else default_collate
-    items, started, count = [], None, 0
-    for item in stream:
-        if started is None:  # the first item opens the stream: untimed, like a worker's start-up
-            collate([item])
-            started = time.perf_counter()
-            continue
-        items.append(item)
+    items = iter(stream)
+    warm = list(itertools.islice(items, max(batch_size, 2)))
+    if not warm:
+        return None
+    collate(warm)
+    batch, count, started = [], 0, time.perf_counter()
+    for item in items:
+        batch.append(item)
         count += 1
-        if len(items) == batch_size:
-            collate(items)
-            items = []
+        if len(batch) == batch_size:
+            collate(batch)
+            batch = []
         if count >= 2 * batch_size or time.perf_counter() - started > enough_s:
             break
-    if started is None or not count:
-        return 0.0
-    if items:
-        collate(items)
-    return (time.perf_counter() - started) / count
+    if batch:
+        collate(batch)
+    return (time.perf_counter() - started) / count if count else None
 
 
-def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, world: int,
+def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, world: int, epochs: int,
                collate_fn=None) -> tuple[LoaderConfig, dict[str, str]]:
     """fit_loader_to_data for a stream: (the loader settings, the reason for each value decided here)."""
     if world > 1:
         raise DataError(f"the dataset is a stream ({type(stream).__name__}, an IterableDataset) and {world} ranks "
                         "train it: streams train in one process for now (trainer.devices=1, no torchrun)")
     reasons = {}
+    if loader.shuffle:  # said once, as a decision: a stream with its own shuffle buffer is configured right
+        reasons["loader.shuffle"] = ("False (a stream is read in its own order: it shuffles itself, e.g. a "
+                                     "shuffle buffer)")
+        loader = replace(loader, shuffle=False)
     if loader.fetch != "item":
         reasons["loader.fetch"] = "item (auto: a stream is read item by item)" if loader.fetch == "auto" else \
             "item (loader.fetch=batch does not apply: a stream is read item by item)"
@@ -65,6 +72,12 @@ def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, 
                 follows = prefetch(decision.value)
                 loader = replace(loader, prefetch_factor=follows.value)
                 reasons["loader.prefetch_factor"] = f"{follows.value} (auto: {follows.reason})"
+    if policy.is_auto(raw_loader.get("persistent_workers"), "auto_persistent"):
+        keep, why = policy.persist_workers(loader.num_workers, epochs, None)  # a stream's batches are not known
+        if keep and hasattr(stream, "set_epoch"):
+            keep, why = False, "the stream's set_epoch(epoch) reaches workers only when they start anew"
+        loader = replace(loader, persistent_workers=keep)
+        reasons["loader.persistent_workers"] = f"{keep} (auto: {why})"
     if loader.worker_method != "process":
         reasons["loader.worker_method"] = ("process (auto: a stream: each worker process reads its own copy; "
                                            "threads would share one reader)")

@@ -37,6 +37,11 @@ def is_stream(dataset: Dataset) -> bool:
     return isinstance(unwrapped(dataset), IterableDataset)
 
 
+def size_of(dataset: Dataset) -> int | None:
+    """Samples in a split; None for a stream, which is not counted before it is read."""
+    return None if is_stream(dataset) else len(dataset)  # type: ignore[arg-type]
+
+
 class StreamShare(IterableDataset):
     """The stream as this DataLoader worker reads it: its failures named by their place in the stream,
     and, with `share=True`, only this worker's share (every Nth item from its own offset).

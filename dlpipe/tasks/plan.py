@@ -18,6 +18,7 @@ from dlpipe.loader import policy
 from dlpipe.loader.build import EpochOrder
 from dlpipe.loader.fitting import build_loaders, fit_loader_to_data, loader_notes
 from dlpipe.loader.lint import lint_job
+from dlpipe.loader.streams import size_of
 from dlpipe.machine import hardware
 from dlpipe.redact import redact_overrides
 from dlpipe.schema import DlpipeConfig, LoaderConfig
@@ -41,15 +42,15 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> None:
     decided.update(fitted)
     plans = build_loaders(cfg, train_set, val_set, world=world)
     budget = hardware.cpu_budget().budget
-    lint = lint_job(cfg, len(train_set), plans[0].batch_bytes, budget)
+    lint = lint_job(cfg, size_of(train_set), plans[0].batch_bytes, budget)
     if ranks_from_env().is_main:  # trainer.devices=N plans as N torchrun ranks (each rank's share): said once
-        print(report(ctx, raw, cfg, decided, plans, lint, len(train_set)), flush=True)
+        print(report(ctx, raw, cfg, decided, plans, lint, size_of(train_set)), flush=True)
         for line in measured_lines(cfg, budget):
             print(line, flush=True)
 
 
 def report(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], plans, lint: list[str],
-           train_size: int) -> str:
+           train_size: int | None) -> str:
     """The plan as text: every loader key and the device settings with their sources, what each
     DataLoader gets, what was dropped and why, the memory estimate and the lint."""
     config = ["--config-dir", ctx.config_dir] if ctx.config_dir else []
@@ -57,7 +58,8 @@ def report(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str
     lines = [f"plan for `{command}`: values the run will use (nothing trained, tracked or written)"]
     lines += value_lines(ctx, raw, cfg, decided)
     train, val = plans
-    lines.append(f"DataLoader (train, {train_size} items): {dataloader_line(cfg.loader, train)}")
+    items = "a stream" if train_size is None else f"{train_size} items"
+    lines.append(f"DataLoader (train, {items}): {dataloader_line(cfg.loader, train)}")
     if val is not None:
         lines.append(f"DataLoader (val): {dataloader_line(cfg.loader, val)}")
     lines += [f"dropped: {note}" for note in loader_notes(plans)]

@@ -22,7 +22,7 @@ from dlpipe.loader.build import LoaderPlan
 from dlpipe.loader.faults import explain_loader_failure
 from dlpipe.loader.fetch import fetch_mode, item_collate
 from dlpipe.loader.fitting import build_loaders, fit_loader, warn_about_loaders
-from dlpipe.loader.streams import is_stream
+from dlpipe.loader.streams import size_of
 from dlpipe.loader.threads import fetch_cpu_seconds, worker_method_of
 from dlpipe.loader.worker_method import global_draws
 from dlpipe.loader.worker_signals import start_helper_processes
@@ -287,11 +287,6 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     return TrainJob(ctx, cfg, ranks, train_plan, val_plan, trainer, store, sampler, profiler, allocations,
                     params, run_tags(ctx), resolved_yaml, config_flat, budget.budget, evidence, journal,
                     describe_dataset(shown["dataset"], sizes))
-
-
-def size_of(dataset) -> int | None:
-    """Samples in a split; None for a stream, which is not counted before it is read."""
-    return None if is_stream(dataset) else len(dataset)
 
 
 def build_trainer(ctx: JobContext, cfg: DlpipeConfig, ranks, model, optimizer, cpu_budget: int, extras: dict):

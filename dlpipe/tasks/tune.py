@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from dlpipe.errors import DlpipeError
+from dlpipe.errors import ConfigError, DlpipeError
 from dlpipe.judging.evidence import bench_mode, measurement_file
 from dlpipe.loader import policy, worker_method
 from dlpipe.loader.build import NORMALISED, normalise
@@ -23,6 +23,7 @@ from dlpipe.loader.fetch import find_gather
 from dlpipe.loader.fitting import build_collate, loader_settings
 from dlpipe.loader.measure import describe
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard
+from dlpipe.loader.streams import is_stream
 from dlpipe.machine import hardware
 from dlpipe.machine.disk import write_atomic, write_failure
 from dlpipe.machine.gpu import gpu_summary
@@ -40,6 +41,10 @@ log = logging.getLogger("dlpipe")
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     """Search, write OUTPUT_DIR/loader/NAME.yaml, log every trial; returns the best samples/s."""
     job = prepare_measurement(ctx, raw, resolved)
+    if is_stream(job.train_set):  # before the tracking run: nothing is made
+        raise ConfigError([f"dlpipe tune: dataset._target_={job.cfg.dataset['_target_']} is a stream; the search "
+                           "runs on map datasets for now: compare a stream's loader settings with `dlpipe bench "
+                           "--multirun ... loader.num_workers=0,2,4`"])
     cfg, plan, budget, sampler = job.cfg, job.plan, job.budget, job.sampler
     bench, cuda = cfg.bench, cfg.trainer.device.startswith("cuda")
     max_workers = bench.max_workers if bench.max_workers is not None else budget.budget + max(2, budget.budget // 2)
