@@ -77,3 +77,16 @@ def test_plan_and_bench_take_a_stream_and_tune_says_it_does_not_yet(dlpipe, tmp_
         "dlpipe: error: dlpipe tune: dataset._target_=stream_data.Rows is a stream; the search runs on map datasets "
         "for now: compare a stream's loader settings with `dlpipe bench --multirun ... loader.num_workers=0,2,4`"]
     assert sorted((tmp_path / "outputs").rglob("*")) == made  # tune left nothing behind
+
+
+def test_a_stream_run_resumes_from_its_checkpoint(dlpipe, tmp_path):
+    """The same command again continues from the folder's checkpoint (a stream's batches follow the
+    loader settings, so a changed worker count is a change to what the run computes)."""
+    args = [*STREAM, "tracking=none", "trainer.epochs=1", "hydra.run.dir=run"]
+    r = dlpipe(*args, "trainer.max_steps=3")
+    assert r.returncode == 0, r.stderr
+    r = dlpipe(*args, "trainer.epochs=2")
+    assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stdout and "(epoch 1, step 3)" in r.stdout
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("epoch-*.pt")) == [
+        "epoch-0001.pt", "epoch-0002.pt"]

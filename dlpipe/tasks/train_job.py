@@ -22,7 +22,7 @@ from dlpipe.loader.build import LoaderPlan
 from dlpipe.loader.faults import explain_loader_failure
 from dlpipe.loader.fetch import fetch_mode, item_collate
 from dlpipe.loader.fitting import build_loaders, fit_loader, warn_about_loaders
-from dlpipe.loader.streams import size_of
+from dlpipe.loader.streams import is_stream, size_of
 from dlpipe.loader.threads import fetch_cpu_seconds, worker_method_of
 from dlpipe.loader.worker_method import global_draws
 from dlpipe.loader.worker_signals import start_helper_processes
@@ -100,8 +100,10 @@ class TrainJob:
                 self.tags["dlpipe.init_from"] = str(init_weights(self.trainer.model, self.cfg.checkpoint.init_from))
             return None
         check_model_fits(self.trainer.model, start["model"], path)
-        # The loader's BatchGather holds the dataset as training fetches it (a few items are fetched).
-        self.samples_follow_loader = global_draws(self.loader.dataset.dataset) is not None
+        # A stream's batches follow the loader (each worker batches its own share); a map dataset's, only
+        # where it draws from the global RNGs (the loader's BatchGather holds it: a few items are fetched).
+        dataset = self.loader.dataset
+        self.samples_follow_loader = is_stream(dataset) or global_draws(dataset.dataset) is not None
         changed, speed = config_changes(start.get("config", {}), self.config_flat, self.samples_follow_loader)
         if changed:
             log.warning("resuming with a changed config: %s", ", ".join(changed))
