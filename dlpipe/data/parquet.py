@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import glob
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from dlpipe.data.tabular import TabularDataset
 from dlpipe.errors import ConfigError, DataError, first_line
-from dlpipe.machine.disk import write_failure
+from dlpipe.machine.disk import atomic_file, write_failure
 
 GLOB_CHARS = frozenset("*?[")
 
@@ -314,14 +313,5 @@ def write_tables(paths: list[Path], args: dict, row_group_size: int) -> None:
             continue
         columns = {f"f{i}": data.features[rows, i].numpy() for i in range(data.num_features)}
         table = pa.table({**columns, "label": data.labels[rows].numpy()})
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:  # as dlpipe.machine.disk.write_atomic, for bytes: synced before the rename, readable by all
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), 0o644)
-                pq.write_table(table, f, row_group_size=row_group_size)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(path, binary=True) as f:
+            pq.write_table(table, f, row_group_size=row_group_size)

@@ -10,6 +10,7 @@ import errno
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from dlpipe.errors import causes, first_line
@@ -19,15 +20,23 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write `text` to `path` whole or not at all: a temp file of its own in the same folder (two
-    writers never share one), synced to disk (renamed before its data reached the disk, a crash
-    could leave an empty file), then renamed over `path`; a reader sees the old file or the new one,
-    and of two writers the last one's, whole. The temp file goes on any failure."""
+    """Write `text` to `path` whole or not at all (atomic_file)."""
+    with atomic_file(path, mode) as f:
+        f.write(text)
+
+
+@contextmanager
+def atomic_file(path: Path, mode: int = 0o644, binary: bool = False):
+    """A file to write `path` through, whole or not at all: a temp file of its own in the same folder
+    (two writers never share one), synced to disk when the block ends (renamed before its data
+    reached the disk, a crash could leave an empty file), then renamed over `path`; a reader sees
+    the old file or the new one, and of two writers the last one's, whole. The temp file goes on any
+    failure."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             os.fchmod(f.fileno(), mode)
-            f.write(text)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
