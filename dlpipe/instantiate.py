@@ -5,12 +5,12 @@ In the base layer because both the task builders (dataset, model, loss, metrics,
 scheduler) and the loader's fit (loader.collate_fn) build user nodes.
 """
 
+from hydra.utils import instantiate
+
 from dlpipe.errors import ConfigError, DlpipeError
 
 
 def instantiate_group(group: str, node: dict, **extra):
-    from hydra.utils import instantiate
-
     try:
         return instantiate(node, **extra)
     except DlpipeError:

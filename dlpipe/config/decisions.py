@@ -1,8 +1,7 @@
 """Automatic values and the inputs they came from.
 
 Every function returns a `Decision`: the value a resolver puts in the config plus the facts behind
-it, so the run can print and record its reasoning. torch is imported lazily (only when a CUDA
-question is actually asked) so printing an unresolved config never pays for it.
+it, so the run can print and record its reasoning.
 """
 
 from functools import lru_cache
@@ -12,6 +11,9 @@ from dlpipe.config.sources import Origin
 from dlpipe.loader import policy
 from dlpipe.loader.decisions import Decision, persistent, prefetch
 from dlpipe.machine import hardware
+
+# Imported inside functions: torch (seconds), only when a resolver asks a CUDA question: the config layer
+# never imports it, so `dlpipe --help` and printing an unresolved config do not pay for it.
 
 
 @lru_cache(maxsize=1)

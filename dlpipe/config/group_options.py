@@ -8,7 +8,11 @@ allowed. Checked on the command line before Hydra composes anything; your own op
 
 from pathlib import Path
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, OverrideParseException
+
 from dlpipe.config.paths import conf_dir
+from dlpipe.config.store import find_recipes
 from dlpipe.errors import ConfigError
 
 CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
@@ -38,16 +42,12 @@ def _groups(roots: list[Path]) -> set[str]:
 def _options(group: str, roots: list[Path]) -> list[str]:
     names = {f.stem for root in roots for f in (root / group).glob("*.yaml")}
     if group == "recipe":
-        from dlpipe.config.store import find_recipes
-
         names |= set(find_recipes())
     return sorted(names) + (["Hydra's own"] if group.startswith("hydra/") else [])  # its plugins' options
 
 
 def _chosen(override) -> list[str]:
     """The option names an override picks: one, or each of a sweep's (`dataset=a,b`, choice(...))."""
-    from hydra.errors import HydraException
-
     if override.is_sweep_override():
         try:
             return list(override.sweep_string_iterator())
@@ -60,9 +60,6 @@ def _chosen(override) -> list[str]:
 def refuse_paths_as_options(args: list[str]) -> None:
     """Raise ConfigError naming the first `GROUP=OPTION` override whose option holds a path separator
     or `..`, with the group's options; overrides that do not parse are left to Hydra's own error."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
     config_dir = _config_dir(args)
     roots = [conf_dir(), *([config_dir] if config_dir else [])]
     groups = _groups(roots) | {"recipe"}

@@ -17,6 +17,10 @@ import os
 import socket
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -50,8 +54,6 @@ def job_sharing(task: str | None = None) -> Sharing:
     known = None if key is None else budget_share.settled(key)
     if known is not None:
         return known
-    from hydra.types import RunMode
-
     undivided = hardware.cpu_budget(sharing=Sharing())
     multirun = hc is not None and hc.mode == RunMode.MULTIRUN
     sweep = str(Path(str(hc.sweep.dir)).resolve()) if multirun else ""
@@ -69,8 +71,6 @@ def job_sharing(task: str | None = None) -> Sharing:
 def _running_job():
     """Hydra's config of the job this process is running, or None (no Hydra job: a test composing a
     config, or `--cfg job`, which sets the config but runs no job and so has no output folder)."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return None
     hc = HydraConfig.get()
@@ -106,9 +106,6 @@ def sweep_batch(hc) -> int | None:
     """How many jobs the basic sweeper launches together with this one (the batch holding
     `hydra.job.num`), from the `multirun.yaml` it saved before launching; None where it cannot tell
     (another sweeper, a glob sweep, a missing or unreadable file)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     try:
         saved = OmegaConf.load(Path(str(hc.sweep.dir)) / "multirun.yaml")
         sweeper = OmegaConf.to_container(saved.hydra.sweeper, resolve=False)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from dlpipe.config.paths import conf_dir
+from dlpipe.config.store import find_recipes
 from dlpipe.loader import policy
 
 
@@ -115,8 +117,6 @@ def is_resolver(raw_value) -> bool:
 
 def option_file(group: str, option: str, config_dir: str | None) -> Path | None:
     """The file of `GROUP=OPTION`: --config-dir's first, as Hydra searches them, then conf/."""
-    from dlpipe.config.paths import conf_dir
-
     roots = [Path(config_dir)] if config_dir else []
     return next((f for root in [*roots, conf_dir()] if (f := root / group / f"{option}.yaml").is_file()), None)
 
@@ -124,8 +124,6 @@ def option_file(group: str, option: str, config_dir: str | None) -> Path | None:
 def recipe_file(name: str, config_dir: str | None) -> Path | None:
     """The file `+recipe=NAME` composed: --config-dir's recipe/ folder first, as Hydra searches it,
     then $DLPIPE_RECIPE_PATH and the shipped recipes/."""
-    from dlpipe.config.store import find_recipes
-
     if config_dir and (Path(config_dir) / "recipe" / f"{name}.yaml").is_file():
         return Path(config_dir) / "recipe" / f"{name}.yaml"
     return find_recipes().get(name)

@@ -16,6 +16,8 @@ that follows is reported as the file's own problem (`unreadable_recipe`).
 from pathlib import Path
 
 import yaml
+from hydra.core.config_store import ConfigStore
+from hydra.plugins.config_source import ConfigSource
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -54,8 +56,6 @@ def _load(path: Path):
 
 def register_recipes(dirs: list[Path] | None = None) -> dict[str, Path]:
     """Store every recipe in Hydra's ConfigStore; idempotent (a later store overwrites)."""
-    from hydra.core.config_store import ConfigStore
-
     cs = ConfigStore.instance()
     recipes = find_recipes(dirs)
     for name, path in recipes.items():
@@ -81,8 +81,6 @@ def misplaced_recipe(name: str, config_dirs: list[str]) -> str | None:
     when it is its package: Hydra reads `# @package` only in the comment lines that open a file, and
     without `_global_` there the recipe's keys and group overrides land under `recipe.`, which the
     schema refuses. (Recipes on DLPIPE_RECIPE_PATH are stored at `_global_` whatever they say.)"""
-    from hydra.plugins.config_source import ConfigSource
-
     for folder in config_dirs:
         path = Path(folder).expanduser() / "recipe" / f"{name}.yaml"
         try:
@@ -101,6 +99,4 @@ def misplaced_recipe(name: str, config_dirs: list[str]) -> str | None:
 
 def register_schemas() -> None:
     """Store the schema in Hydra's ConfigStore (idempotent: the store overwrites by name)."""
-    from hydra.core.config_store import ConfigStore
-
     ConfigStore.instance().store(name="base_config", node=DlpipeConfig)

@@ -10,6 +10,7 @@ the list, composes every job the basic sweeper will launch, the same way (Hydra'
 
 import sys
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
@@ -22,8 +23,6 @@ BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 def job_overrides(config: DictConfig) -> list[list[str]]:
     """Each job's overrides, as the basic sweeper expands the sweep (its params, then the command line)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-
     given = config.hydra.sweeper.get("params")
     params = OmegaConf.to_container(given, resolve=False) if given else {}
     arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)

@@ -9,6 +9,7 @@ from torch.utils.data import Dataset
 from dlpipe import sample_rng
 from dlpipe.errors import DataError
 from dlpipe.loader import policy
+from dlpipe.loader.fetch import unwrapped
 from dlpipe.schema import LoaderConfig
 
 
@@ -23,8 +24,6 @@ class NamedErrors(Dataset):
     dlpipe_wrapper = True  # dlpipe.loader.fetch.unwrapped() looks through it
 
     def __init__(self, dataset: Dataset):
-        from dlpipe.loader.fetch import unwrapped
-
         self.dataset = dataset
         # The user's own __getitems__ gathers a batch in one call; Subset's only loops over items,
         # and looping here instead gives each item its own sample_generator().

@@ -21,6 +21,7 @@ from torch.utils.data import BatchSampler, Dataset, Subset, default_collate
 
 from dlpipe.errors import ConfigError
 from dlpipe.sample_rng import SampleBatch
+from dlpipe.training import rng
 
 PROBE_INDICES = 8
 """Indices the gather is compared on, spread over the dataset (first, last and between)."""
@@ -114,8 +115,6 @@ def find_gather(dataset: Dataset, collate_fn: Callable | None = None) -> tuple[s
     """(how `dataset` gathers a batch equal to the per-item collate, or None; why), from the first of
     GATHERS that gives exactly what `collate_fn` (None: default_collate) makes of the same items.
     The random streams are left as they were: fetching may draw from them."""
-    from dlpipe.training import rng
-
     n = len(dataset)  # type: ignore[arg-type]
     if n == 0:
         return None, "the dataset is empty"

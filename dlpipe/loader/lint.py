@@ -8,6 +8,7 @@ with no workers, a batch larger than the data with drop_last) are config errors 
 from dataclasses import dataclass
 
 from dlpipe.loader import policy
+from dlpipe.machine.hardware import shm_free_bytes, world_size
 from dlpipe.schema import DlpipeConfig, LoaderConfig
 
 
@@ -89,8 +90,6 @@ def _lint_stream(loader: LoaderConfig) -> list[str]:
 
 def lint_job(cfg: DlpipeConfig, train_size: int | None, batch_bytes: int, cpu_budget: int) -> list[str]:
     """The lint for a job's config on this machine."""
-    from dlpipe.machine.hardware import shm_free_bytes, world_size
-
     facts = LoaderFacts(
         cpu_budget=cpu_budget, cuda=cfg.trainer.device.startswith("cuda"), train_size=train_size,
         batch_bytes=batch_bytes, shm_free_bytes=shm_free_bytes(), world_size=world_size(),

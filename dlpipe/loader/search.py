@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dlpipe.loader import policy
+from dlpipe.loader.build import build_loader
+from dlpipe.loader.measure import measure
 
 LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -228,9 +230,6 @@ class Search:
 def measure_candidate(c: Candidate, dataset, loader_settings: dict, batches: int, warmup: int, repeats: int,
                       seed: int, cuda: bool, sampler=None, step=None) -> Trial:
     """`repeats` measurements of one candidate's loader (built fresh, its workers stopped after)."""
-    from dlpipe.loader.build import build_loader
-    from dlpipe.loader.measure import measure
-
     settings = {**loader_settings, **c.settings()}
     loader = build_loader(dataset, **settings, seed=seed, cuda=cuda, role="tune").loader
     try:

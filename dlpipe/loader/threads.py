@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Iterator
 
 from torch._utils import ExceptionWrapper
+from torchdata.nodes import IterableWrapper, ParallelMapper, PinMemory, Prefetcher
 
 from dlpipe.loader.fetch import BatchGather, EpochBatches
 
@@ -89,8 +90,6 @@ class ThreadLoader:
         """The epoch's torchdata.nodes graph: batches of indices -> threads -> (pinning) -> prefetch.
         ParallelMapper keeps at most 2 batches per worker in flight (max_concurrent may only lower it,
         to one per worker); a Prefetcher holds the rest of a larger prefetch_factor."""
-        from torchdata.nodes import IterableWrapper, ParallelMapper, PinMemory, Prefetcher
-
         per_worker = max(1, self.prefetch_factor)
         node = ParallelMapper(IterableWrapper(self.sampler), _Fetch(self.dataset), num_workers=self.num_workers,
                               in_order=True, method="thread",

@@ -16,15 +16,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import psutil
 import torch
 from torch.utils.data import Dataset
 
 from dlpipe.errors import user_message
 from dlpipe.loader import policy
+from dlpipe.loader.build import batch_bytes
 from dlpipe.loader.fetch import BatchGather, same_batch
 from dlpipe.loader.threads import ThreadLoader
+from dlpipe.loader.worker_signals import SignalSafeLoader, start_helper_processes, worker_init_fn
+from dlpipe.machine.hardware import memory_available_bytes, shm_free_bytes
 from dlpipe.sample_rng import SampleBatch
 from dlpipe.schema import LoaderConfig
+from dlpipe.training import rng
 
 THREAD_SCALING_MIN = 0.75
 """Threads are taken when N of them fetch at least 0.75 x N times as fast as the main process alone:
@@ -53,10 +58,6 @@ def fit(loader: LoaderConfig, raw_loader: dict, train_set: Dataset, collate_fn: 
     CPU memory of a model already built in this process (its pages are never written by a worker)."""
     if not loader.num_workers or not len(train_set):  # type: ignore[arg-type]
         return replace(loader, worker_method="process")  # no workers: nothing to decide, PyTorch's default
-    from dlpipe.loader.build import batch_bytes
-    from dlpipe.machine.hardware import memory_available_bytes, shm_free_bytes
-    from dlpipe.training import rng
-
     state = rng.capture()  # every fetch below may draw: the run's streams stay as they were
     try:
         inflight = policy.inflight_bytes(loader.num_workers, loader.prefetch_factor,
@@ -80,8 +81,6 @@ def private_bytes() -> int:
     every page it writes (refcounts written on reading a dataset's Python objects copy their pages:
     PyTorch's "memory leak" with workers); a spawned one imports the same modules and gets the dataset
     pickled whole: either way about this much each."""
-    import psutil
-
     return psutil.Process().memory_full_info().uss
 
 
@@ -151,8 +150,6 @@ def choose(dataset: Dataset, loader: LoaderConfig, collate_fn: Callable | None,
 def global_draws(dataset: Dataset) -> str | None:
     """Which global RNG (torch, numpy, random) fetching a few training items advanced, or None.
     The items are fetched as training fetches them (a SampleBatch: sample_generator() is theirs)."""
-    from dlpipe.training import rng
-
     n = len(dataset)  # type: ignore[arg-type]
     before = rng.capture()
     BatchGather(dataset, None, lambda items: items)[SampleBatch(
@@ -229,8 +226,6 @@ class Probe:
         """The same batches from `num_workers` worker processes (dlpipe's process loader, started
         anew each round as an epoch without persistent workers starts them), the best round; one
         round with spawn or forkserver, whose workers import torch each time."""
-        from dlpipe.loader.worker_signals import SignalSafeLoader, start_helper_processes, worker_init_fn
-
         start_helper_processes(context)  # first: multiprocessing starts them once, as the run needs them
         rounds = 1 if context in ("spawn", "forkserver") else self.rounds
         return min((_time(SignalSafeLoader(self.gather, batch_size=None, sampler=self.batches,

@@ -1,6 +1,6 @@
 """NVIDIA GPUs through NVML (`nvidia-ml-py`, module `pynvml`): names, memory, utilisation.
 
-pynvml is imported and NVML initialised only by `Nvml.open()`, never at import time. Without a
+NVML is initialised only by `Nvml.open()`, never at import time. Without a
 driver every entry point raises or returns "not available" with the reason: a GPU metric is never
 reported as a fake 0%.
 """
@@ -11,6 +11,9 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+# Imported inside functions: pynvml, by Nvml.open() alone, which turns a missing nvidia-ml-py into a reason
+# (NvmlUnavailable); machine.hardware imports this module, so the config resolvers never load NVML.
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class Nvml:
     def open() -> Nvml:
         """Initialise NVML (reference-counted, so several sessions may coexist)."""
         try:
-            import pynvml  # lazy: keeps NVML off the import path of config resolvers
+            import pynvml
         except ImportError:
             raise NvmlUnavailable("nvidia-ml-py (pynvml) is not installed") from None
         try:

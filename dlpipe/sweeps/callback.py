@@ -25,6 +25,8 @@ import signal
 import tempfile
 from pathlib import Path
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -42,6 +44,9 @@ from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG
 from dlpipe.tracking.run_names import SWEPT_KEYS_ENV, override_key, sweep_name
 from dlpipe.tracking.store_lock import absolute_uri
 
+# Imported inside functions: mlflow (seconds), only in a --multirun sweep that tracks: Hydra loads this
+# callback for every job (conf/config.yaml's hydra.callbacks), `dlpipe plan` and untracked runs too.
+
 log = logging.getLogger("dlpipe")
 
 FAILED_TAG_PREFIX = "dlpipe.failed_job."  # + Hydra job number -> that job's overrides
@@ -57,8 +62,6 @@ SUMMARY_TAGS = (END_REASON_TAG, "dlpipe.jobs", "dlpipe.failed_jobs", "dlpipe.fai
 
 def swept_keys(overrides: list[str]) -> list[str]:
     """The keys a sweep's overrides sweep (`a=1,2`, `range(...)`, `choice(...)`...), by Hydra's own parser."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parsed = OverridesParser.create().parse_overrides(overrides)
     return [override_key(o.input_line) for o in parsed if o.is_sweep_override()]
 
@@ -158,8 +161,6 @@ class SweepTracking(Callback):
         # Runs in the job's process (this one for the basic launcher, a submitit worker otherwise),
         # so a failure is written to the parent run where every process can see it. Jobs that
         # fail on bad values never create a run of their own: this is their only trace.
-        from hydra.core.utils import JobStatus
-
         parent = os.environ.get(PARENT_RUN_ENV)
         if job_return.status != JobStatus.FAILED or not parent:
             return

@@ -6,7 +6,6 @@ equal at the precision shown are all marked; where no finished job is worse than
 panel marks none (there is nothing to choose). CPU use is shown but never ranked: a share of the
 CPU budget is neither good nor bad by itself (more CPU buying more samples/s is cores put to work,
 less CPU at fewer samples/s is cores left idle); the samples/s panel says which setting won.
-matplotlib is imported only when a chart is drawn.
 """
 
 import textwrap
@@ -14,6 +13,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dlpipe.sweeps.jobs import Job, best_job, same_settings_notes
+
+# Imported inside functions: matplotlib (over half a second), only when a sweep's chart is drawn at its
+# end; sweeps.callback imports this module, and Hydra loads that callback for every job, `dlpipe plan` too.
 
 
 class Panel(NamedTuple):

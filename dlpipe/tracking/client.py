@@ -9,6 +9,9 @@ from dlpipe.errors import DlpipeError
 from dlpipe.redact import redact_logging, redact_text
 from dlpipe.tracking.store_lock import create_whole, half_made, is_new, store_opening
 
+# Imported inside functions: mlflow (seconds), only when a client is made or an error read: the CLI (through
+# tracking.given_run), the sweep callback and the tracking process import this module before any run opens.
+
 
 def client_for(uri: str, timeout_s: float, retries: int):
     """An MlflowClient whose HTTP calls fail in seconds, not MLflow's default of minutes."""

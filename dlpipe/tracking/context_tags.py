@@ -2,6 +2,7 @@
 runs with MlflowClient.create_run, which records none of it, so every run (a sweep's parent too)
 gets these tags itself; the UI shows them as "Created by" and "Source"."""
 
+import getpass
 import subprocess
 
 
@@ -15,8 +16,6 @@ def context_tags() -> dict[str, str]:
 
 def _user() -> str:
     """The login name, as MLflow records it (getpass: LOGNAME, USER, then the password database)."""
-    import getpass
-
     try:
         return getpass.getuser()
     except (KeyError, OSError):  # a container uid with no passwd entry and no USER set

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from dlpipe.redact import redact_tree
 
+# Imported inside functions: mlflow (seconds), only where a run's inputs are written: tasks.train_job and
+# tracking.outbox import this module in a training process that leaves mlflow to the tracking process.
+
 RACE_RETRIES = 3
 """Tries of a run-input write that lost the store's dataset race (log_inputs) before its error stands."""
 

@@ -17,7 +17,11 @@ from collections.abc import Mapping
 
 from dlpipe.errors import ConfigError, first_line
 from dlpipe.redact import redact_text
+from dlpipe.tracking.client import client_for
 from dlpipe.tracking.metric_names import SECTIONS
+
+# Imported inside functions: mlflow (seconds), only when MLFLOW_RUN_ID names a run to check: the CLI imports
+# this module, and `dlpipe --help` must not load mlflow.
 
 log = logging.getLogger("dlpipe")
 
@@ -44,8 +48,6 @@ def given_run_id(tracking, resumes: bool = False, environ: Mapping[str, str] = o
     if not run_id or not tracking.enabled:
         return None
     from mlflow.exceptions import MlflowException
-
-    from dlpipe.tracking.client import client_for
 
     said = f"{RUN_ID_ENV}={run_id} (environment variable)"
     store = f"tracking.uri={redact_text(tracking.uri)}"

@@ -14,6 +14,9 @@ from pathlib import Path
 from dlpipe.errors import first_line
 from dlpipe.redact import redact_text
 
+# Imported inside functions: mlflow and torch (seconds each), only when a model is logged: tracking.run
+# imports this module, and the tracking layer imports no torch at module import.
+
 log = logging.getLogger(__name__)
 
 MODEL_NAME = "model"

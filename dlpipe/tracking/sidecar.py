@@ -28,6 +28,10 @@ import threading
 
 from dlpipe.errors import DlpipeError, first_line
 
+# Imported inside functions: mlflow (1.7 s) and the run's modules, in the tracking process only, once main()
+# has set the stop signals aside (what loads before that stays small); the training process imports this
+# module too (Channel, through sidecar_run) and leaves mlflow to this one.
+
 MODULE = "dlpipe.tracking.sidecar"  # what its command line holds: the resource sampler leaves it out
 IGNORED_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)  # SIGTERM: see above
 ASKED = ("prepare", "open", "end")  # calls answered ("done"); the others are sent and not waited for

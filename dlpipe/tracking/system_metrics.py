@@ -10,11 +10,13 @@ run at least one sample, and never a made-up one: it is measured at that moment.
 
 from __future__ import annotations
 
+# Imported inside functions: mlflow's monitor (seconds, with its psutil and pynvml probes), only when the user
+# asked for system metrics; tracking.run imports this module, and the training process imports tracking.run.
+
 
 def start_system_monitor(run_id: str, resumed: bool, tracking_uri: str):
     """What mlflow.start_run(log_system_metrics=True) starts: a thread that samples CPU, memory,
     disk, network and GPU and writes `system/...` on a step axis of its own (samples)."""
-    # imported here: psutil and pynvml probes load only when the user asked for system metrics
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     monitor = SystemMetricsMonitor(run_id, resume_logging=resumed, tracking_uri=tracking_uri)

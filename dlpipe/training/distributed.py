@@ -7,15 +7,22 @@ per GPU (Slurm), from submitit's job environment, exported into the same variabl
 config is resolved (so `${auto_workers:}` divides the node's CPUs among its ranks).
 """
 
+import gc
 import logging
+import math
 import os
 import re
 import sys
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 from dlpipe.errors import ConfigError, DlpipeError
+
+# Imported inside functions: torch (seconds) and submitit (optional: the slurm extra), only in a job that
+# trains or runs under submitit: the CLI imports this module to export the ranks before it resolves the
+# config, and `dlpipe --help` must not load torch.
 
 log = logging.getLogger("dlpipe")
 
@@ -166,8 +173,6 @@ def release_failed(error: BaseException) -> None:
     """For a rank whose job failed: let go of what the error's finished frames hold, the job and its
     DDP model among it, so that stop() frees them while the group lives. The traceback still prints:
     clearing a frame keeps its code and line."""
-    import traceback
-
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -182,8 +187,6 @@ def stop() -> None:
     while holding the GIL, joining gloo's threads: a deadlock when one of them waits for the GIL
     (a hang in CI), an abort ("terminate called without an active exception": 1 resumed run in 14
     under load) at exit."""
-    import gc
-
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -257,8 +260,6 @@ class Collectives:
         are the slowest or largest rank's, rates and fractions are means over the ranks that have
         them. Ranks may report different keys (a sampler metric needs live workers): the union is
         reduced. Validation metrics arrive already exact (runner.validate sums its counts)."""
-        import math
-
         import torch.distributed as dist
 
         own = {k: v for k, v in row.items() if k not in ("epoch", "val_loss", "val_accuracy")}

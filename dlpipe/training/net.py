@@ -7,15 +7,17 @@ from contextlib import nullcontext
 from functools import partial
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from dlpipe.errors import ConfigError, first_line
+
+# Imported inside functions: torch._dynamo (over 2 s), only to read an error of a job that compiles; a torch
+# without dynamo has no such error.
 
 
 def training_net(model: torch.nn.Module, device: torch.device, distributed: bool, compile: bool):
     net = model
     if distributed:
-        from torch.nn.parallel import DistributedDataParallel
-
         # Broadcasts rank 0's parameters: every rank starts from the same weights.
         device_ids = [device.index] if device.type == "cuda" else None
         net = DistributedDataParallel(model, device_ids=device_ids)

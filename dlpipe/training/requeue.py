@@ -14,6 +14,9 @@ import logging
 import os
 import signal
 
+# Imported inside functions: submitit (optional: the slurm extra), only in a submitit job; the CLI imports
+# this module.
+
 log = logging.getLogger("dlpipe")
 
 

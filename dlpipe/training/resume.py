@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from dlpipe.errors import ConfigError
-from dlpipe.training.checkpoint import CheckpointStore
+from dlpipe.training.checkpoint import CheckpointStore, load
 
 log = logging.getLogger("dlpipe")
 
@@ -95,8 +95,6 @@ def init_weights(model, source: str) -> Path:
     """Load the model weights of `source` (a checkpoint file, or a checkpoints/ folder: its best.pt,
     else its newest epoch) into `model`; only the weights: optimizer and schedule start fresh.
     Returns the file used. A checkpoint that does not fit the model names the parameter."""
-    from dlpipe.training.checkpoint import load
-
     path = Path(source)
     if path.is_dir():
         store = CheckpointStore(path)
