@@ -6,6 +6,8 @@ nothing behind: no output folder, no MLflow store, no run."""
 import pytest
 import yaml
 
+from dlpipe.config.paths import conf_dir, recipe_dirs
+from dlpipe.config.store import find_recipes
 from dlpipe.errors import ConfigError
 
 BROKEN = "trainer:\n  epochs: [1,\n"  # a flow list left open: PyYAML stops at the end of the file
@@ -86,7 +88,8 @@ def test_a_broken_recipe_fails_only_the_commands_that_use_it(dlpipe, tmp_path):
 
 
 X_YAML = "_target_: dlpipe.data.tabular.TabularDataset\n"
-DATASETS = "custom, image_folder, tabular, tabular_regression, tokens, tokens_ragged, vision"
+DATASETS = ", ".join(sorted(p.stem for p in (conf_dir() / "dataset").glob("*.yaml")))  # the shipped options
+RECIPES_AND_MINE = ", ".join(sorted([*find_recipes(recipe_dirs()[:1]), "mine"]))
 PATH_OPTIONS = {
     "parent folders": (["dataset=../x"], "dataset=../x: a dataset option is a name, not a path (../x); allowed: "
                        f"{DATASETS}; for a file of your own use --config-dir DIR with it at DIR/dataset/NAME.yaml"),
@@ -95,9 +98,9 @@ PATH_OPTIONS = {
                              f"{DATASETS}; for a file of your own use --config-dir DIR with it at "
                              "DIR/dataset/NAME.yaml"),
     "a recipe, with --config-dir": (["--config-dir", "{tmp}/mine", "+recipe=../x"],
-                                    "+recipe=../x: a recipe option is a name, not a path (../x); allowed: mine, nlp, "
-                                    "nlp_ragged, regression, smoke, tabular, vision; for a file of your own use "
-                                    "--config-dir DIR with it at DIR/recipe/NAME.yaml"),
+                                    f"+recipe=../x: a recipe option is a name, not a path (../x); allowed: "
+                                    f"{RECIPES_AND_MINE}; for a file of your own use --config-dir DIR with it at "
+                                    "DIR/recipe/NAME.yaml"),
 }
 
 
@@ -132,8 +135,7 @@ def test_init_from_another_models_checkpoint_is_one_line_with_the_count(dlpipe, 
 
 
 SWEEP_TYPOS = {
-    "a swept group option": (["dataset=tabular,nope"], "dataset=nope: no such dataset option; available: custom, "
-                             "image_folder, tabular, tabular_regression, tokens, tokens_ragged, vision"),
+    "a swept group option": (["dataset=tabular,nope"], f"dataset=nope: no such dataset option; available: {DATASETS}"),
     "a swept unknown key": (["model.hiden=3,4"], "model.hiden=3,4: no key 'hiden' in model; did you mean "
                             "model.hidden? allowed: _target_, depth, dropout, hidden, in_features, num_classes"),
 }
