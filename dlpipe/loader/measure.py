@@ -31,7 +31,14 @@ class _Batches:
                 self._it = None
 
     def close(self) -> None:
-        self._it = None  # shuts non-persistent workers down now, not at garbage collection
+        """Shut this pass's non-persistent workers down now. Dropping the iterator is not enough when an
+        error or a stop signal left next(): its traceback holds the iterator (until the interpreter exits,
+        for Ctrl-C). Persistent workers stay for the next pass; their loader's shutdown() ends them."""
+        it, self._it = self._it, None
+        if it is not None and not getattr(self.loader, "persistent_workers", False):
+            shutdown = getattr(it, "_shutdown_workers", None)  # PyTorch's worker-process iterators
+            if shutdown is not None:
+                shutdown()
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,15 @@ import time
 import warnings
 from contextlib import contextmanager
 from functools import partial
+from multiprocessing import forkserver, resource_tracker
+from pickle import PicklingError
 
 from torch.utils.data import DataLoader
+from torch.utils.data._utils.signal_handling import _set_SIGCHLD_handler
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from dlpipe.errors import DataError
+from dlpipe.loader.threads import let_threads_end
 from dlpipe.stop import EXITING, STOP_SIGNALS, stop_clock, stopping
 
 # Workers leave Ctrl-C to the main process (ignored) and handle the other stop signals themselves.
@@ -73,8 +78,6 @@ def start_helper_processes(context: str | None) -> None:
     """
     if context not in ("spawn", "forkserver"):
         return
-    from multiprocessing import forkserver, resource_tracker
-
     ignored = STOP_SIGNALS
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
     try:
@@ -110,7 +113,40 @@ class _EndsWorkersOnError(_MultiProcessingDataLoaderIter):
     """PyTorch's worker-process iterator, whose workers stop as soon as an error leaves next(). PyTorch
     stops them when the iterator is collected, and the error's traceback holds it: kept in a reference
     cycle (a caller that logs or stores the error), it is only collected by a later gc pass, which then
-    spends MP_STATUS_CHECK_INTERVAL (5 s) per worker waiting for workers whose queues gc already closed."""
+    spends MP_STATUS_CHECK_INTERVAL (5 s) per worker waiting for workers whose queues gc already closed.
+
+    The same when the iterator's construction is cut short (a stop signal raising KeyboardInterrupt or
+    Terminated while it starts its workers, as Ctrl-C to the group does): PyTorch starts the workers one
+    by one and only then sets up its bookkeeping of them (_workers_status), so the half-built iterator,
+    which no DataLoader holds yet, would live on in the traceback until the interpreter ends, and its
+    __del__ would then fail on the missing bookkeeping ("Exception ignored in ... __del__ ...
+    AttributeError: ... '_workers_status'") after leaving the started workers to be terminated."""
+
+    def __init__(self, loader):
+        main = os.getpid()
+        try:
+            super().__init__(loader)
+        except BaseException:
+            if os.getpid() != main:
+                # a worker the signal reached right after its fork, before multiprocessing's child branch
+                # (which always ends in os._exit): it must not run on through its parent's frames, ending
+                # the parent's tracking run and printing the parent's message a second time
+                os._exit(1)
+            self._end_half_built()
+            raise
+
+    def _end_half_built(self) -> None:
+        """Stop the workers a cut-short construction had started, through PyTorch's own shutdown, so its
+        __del__ finds nothing left to do. A worker forked in the very instant the signal landed, before
+        PyTorch recorded it, is out of reach: it ends on its own once this process is gone (its watchdog)."""
+        if hasattr(self, "_pin_memory_thread_done_event"):
+            self._pin_memory_thread_done_event.set()  # a pin-memory thread started but not yet recorded ends too
+        if not hasattr(self, "_workers"):
+            self._shutdown = True  # cut before any worker started: nothing to stop
+            return
+        if not hasattr(self, "_workers_status"):
+            self._workers_status = [True] * len(self._workers)  # started, and never given work
+        self._shutdown_workers()
 
     def _next_data(self):
         try:
@@ -142,15 +178,10 @@ class SignalSafeLoader(DataLoader):
 
     def _start_workers(self) -> "_EndsWorkersOnError":
         """The workers' iterator; a dataset that spawn or forkserver cannot send to them is one line
-        (PyTorch re-raises the pickle error of Process.start, after a warning meant for itself)."""
-        from pickle import PicklingError
-
-        from dlpipe.errors import DataError
-
+        (PyTorch re-raises the pickle error of Process.start, after a warning meant for itself, which
+        _get_iterator silences: no code runs here once the iterator is built, see _get_iterator)."""
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Got pickle error when attempting to start a worker")
-                return _EndsWorkersOnError(self)
+            return _EndsWorkersOnError(self)
         except (TypeError, AttributeError, PicklingError) as e:
             if "pickle" not in str(e).lower() and not isinstance(e, PicklingError):
                 raise
@@ -163,20 +194,29 @@ class SignalSafeLoader(DataLoader):
     def _get_iterator(self):
         if self.reseed is not None and self.generator is not None:
             self.generator.manual_seed(self.reseed)
-        if self.num_workers:
-            from dlpipe.loader.threads import let_threads_end
-
-            let_threads_end()  # a fork while another loader's threads hold a lock leaves the child stuck on it
-        with _worker_count_warning_silenced():
-            if not self.num_workers:
-                iterator = super()._get_iterator()
-            else:
-                self.check_worker_number_rationality()
-                iterator = self._start_workers()
-        if self.num_workers and threading.current_thread() is threading.main_thread():
-            # PyTorch's SIGCHLD handler raises "worker exited unexpectedly" wherever the main
-            # thread is, mid optimizer step included; while a stop is under way, let next() say it.
+        if not self.num_workers:
+            with _worker_count_warning_silenced():
+                return super()._get_iterator()
+        let_threads_end()  # a fork while another loader's threads hold a lock leaves the child stuck on it
+        if threading.current_thread() is threading.main_thread():
+            # PyTorch's SIGCHLD handler raises "worker exited unexpectedly" wherever the main thread is,
+            # mid optimizer step included; while a stop is under way, let next() say it. Installed (once a
+            # process) before the workers start rather than by the iterator as it starts them, so that a
+            # worker the same signal killed cannot turn the stop into that error while they start or stop.
+            _set_SIGCHLD_handler()
             previous = signal.getsignal(signal.SIGCHLD)
             if getattr(previous, "func", None) is not _on_child_exit:
                 signal.signal(signal.SIGCHLD, partial(_on_child_exit, previous))
+        iterator = None
+        try:
+            with _worker_count_warning_silenced(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Got pickle error when attempting to start a worker")
+                self.check_worker_number_rationality()
+                iterator = self._start_workers()
+        except BaseException:
+            # a stop signal landing here, once the iterator is built: no DataLoader holds it yet, so its
+            # workers end now, not when the traceback that holds it is freed (at exit)
+            if iterator is not None:
+                iterator._shutdown_workers()
+            raise
         return iterator
