@@ -15,7 +15,10 @@ import pytest
 from dlpipe.machine.lock_file import Holder, LockFile, ProcessId
 
 # Another process holding the lock file argv[1], recording itself; with argv[2] == "fork", a child
-# it forked lives on (as a DataLoader worker would). It prints the child's pid (0: none), then sleeps.
+# it forked lives on (as a DataLoader worker would). The child's pid (0: none) is printed, then it
+# sleeps. The forked child prints its own pid: once fork() has returned in the child, the at-fork
+# hooks have run there (the parent could print before the child was scheduled at all, and a kill -9
+# of the parent would then race the child's hook on a loaded machine).
 HOLDING = """
     import os, sys, time
     from pathlib import Path
@@ -25,9 +28,11 @@ HOLDING = """
     lock.record()
     child = os.fork() if sys.argv[2] == "fork" else 0
     if child == 0 and sys.argv[2] == "fork":
+        print(os.getpid(), flush=True)
         time.sleep(120)
         os._exit(0)
-    print(child, flush=True)
+    if child == 0:
+        print(0, flush=True)
     time.sleep(120)
 """
 

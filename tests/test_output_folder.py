@@ -120,9 +120,11 @@ from dlpipe.config.output_folder import hold
 hold(Path(sys.argv[1]), "hydra.run.dir")
 child = os.fork()  # as a DataLoader worker or a user's multiprocessing Manager is made
 if child == 0:
+    # said by the child, not the parent: once fork() returns here, the at-fork hooks have run (the
+    # parent may print before the child was ever scheduled, and then kill -9 would race the hook)
+    print(os.getpid(), flush=True)
     time.sleep(120)
     os._exit(0)
-print(child, flush=True)
 time.sleep(120)
 """
 
