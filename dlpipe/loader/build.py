@@ -6,6 +6,7 @@ and every change is returned as a note for the run log.
 """
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -118,11 +119,7 @@ def batch_bytes(dataset: Dataset, batch_size: int, collate_fn: Callable | None =
 def stream_batch_bytes(stream: IterableDataset, batch_size: int, collate_fn: Callable | None = None) -> int:
     """batch_bytes of a stream: its first items (ESTIMATE_ITEMS at most, fewer than a batch), read in
     this process, collated and scaled to batch_size; 0 for an empty stream."""
-    items = []
-    for item in stream:
-        items.append(item)
-        if len(items) == min(batch_size, ESTIMATE_ITEMS):
-            break
+    items = list(itertools.islice(stream, min(batch_size, ESTIMATE_ITEMS)))
     if not items:
         return 0
     return _nbytes((collate_fn or default_collate)(items)) * batch_size // len(items)

@@ -12,6 +12,7 @@ the cost of every worker reading (and skipping) the whole stream.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 from collections.abc import Iterator
 
@@ -109,22 +110,17 @@ def fingerprint(item) -> str:
     return digest.hexdigest()
 
 
-def first_items(stream: IterableDataset, count: int) -> list[str]:
+def first_fingerprints(stream: IterableDataset, count: int) -> list[str]:
     """Fingerprints of the stream's first `count` items, read in this process."""
-    found = []
-    for item in stream:
-        found.append(fingerprint(item))
-        if len(found) == count:
-            break
-    return found
+    return [fingerprint(item) for item in itertools.islice(stream, count)]
 
 
 def shares_itself(stream: IterableDataset, context: str | None, timeout_s: float) -> tuple[bool | None, str]:
     """(whether the stream gives each DataLoader worker its own share of the items, why): two worker
     processes read up to PROBE_ITEMS items each, compared with the stream's first items read here.
     None where it cannot be told: the stream yields other items on each pass through it."""
-    here = first_items(stream, PROBE_ITEMS)
-    if here != first_items(stream, PROBE_ITEMS):
+    here = first_fingerprints(stream, PROBE_ITEMS)
+    if here != first_fingerprints(stream, PROBE_ITEMS):
         return None, "its first items differ between two passes in this process"
     loader = SignalSafeLoader(stream, batch_size=None, num_workers=2, multiprocessing_context=context,
                               timeout=timeout_s, worker_init_fn=worker_init_fn())

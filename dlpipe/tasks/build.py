@@ -125,7 +125,7 @@ def in_features_of(dataset, input_field: str | None) -> tuple[int, str]:
     fix = "set model.in_features to the length of one input vector (or give the dataset a num_features attribute)"
     state = rng.capture()
     try:
-        item = next(iter(first_items(dataset, 1)), None)
+        item = (first_items(dataset, 1) or [None])[0]
     finally:
         rng.restore(state)  # an augmenting dataset draws here: the run's streams stay as they were
     if item is None:
