@@ -34,20 +34,21 @@ from dlpipe.machine.disk import atomic_file, write_failure
 GLOB_CHARS = frozenset("*?[")
 
 
-def find_files(files: str | list[str]) -> list[str]:
-    """The sorted paths `files` names (a glob pattern, or a list of paths and patterns); a pattern
-    that matches nothing is an error naming the folder it looked in (a typo must not drop data)."""
+def find_files(files: str | list[str], suffix: str = ".parquet") -> list[str]:
+    """The sorted paths `files` names (a glob pattern, a folder: its `suffix` files in it and below,
+    or a list of these); a pattern that matches nothing is an error naming the folder it looked in
+    (a typo must not drop data)."""
     found: set[str] = set()
     for pattern in [files] if isinstance(files, str) else list(files):
         pattern = os.path.expanduser(str(pattern))
-        if os.path.isdir(pattern):  # a folder: the parquet files in it and below
-            pattern = os.path.join(pattern, "**", "*.parquet")
+        if os.path.isdir(pattern):
+            pattern = os.path.join(pattern, "**", "*" + suffix)
         matches = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
         if not matches:
             fixed = pattern[:min((pattern.index(c) for c in GLOB_CHARS if c in pattern), default=len(pattern))]
             folder = os.path.abspath(os.path.dirname(fixed) or ".")
             raise ConfigError([f"dataset.files={pattern!r}: no file matches it in {folder}; "
-                               "expected parquet files (a glob pattern or a list of paths and patterns)"])
+                               f"expected {suffix.lstrip('.')} files (a glob pattern or a list of paths and patterns)"])
         found.update(os.path.abspath(p) for p in matches)
     return sorted(found)
 
