@@ -1,6 +1,6 @@
 """Image datasets whose per-item cost is real CPU work: JPEG/PNG decode, crop, flip, normalise.
 
-Both datasets share one decode/augment path (`_load_rgb` + `_to_tensor`), so a loader setting that
+Both datasets share one decode/augment path (`load_rgb` + `to_tensor`), so a loader setting that
 helps one helps the other. No torchvision: Pillow does the pixel work, torch only the last step.
 
 Per-item randomness comes from dlpipe.sample_rng.sample_generator(): in training, a generator that
@@ -41,14 +41,14 @@ _LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
 DEFAULT_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
 
-def _load_rgb(source: bytes | str, mode: str = "RGB") -> Image.Image:
+def load_rgb(source: bytes | str, mode: str = "RGB") -> Image.Image:
     """Decode encoded bytes or a file path to an RGB (or `mode`) image (forces the full decode now)."""
     with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
         # convert() loads every pixel, so a truncated file fails here and not later in a worker.
         return img.convert(mode)
 
 
-def _resize_shorter(img: Image.Image, size: int) -> Image.Image:
+def resize_shorter(img: Image.Image, size: int) -> Image.Image:
     w, h = img.size
     if min(w, h) == size:
         return img
@@ -71,15 +71,17 @@ def _random_box(w: int, h: int, rng: random.Random) -> tuple[int, int, int, int]
     return left, top, left + side, top + side
 
 
-def _to_tensor(img: Image.Image, crop_size: int, augment: bool, mean: Sequence[float] = MEAN,
-               std: Sequence[float] = STD) -> torch.Tensor:
+def to_tensor(img: Image.Image, crop_size: int, augment: bool, mean: Sequence[float] = MEAN,
+              std: Sequence[float] = STD, generator: torch.Generator | None = None) -> torch.Tensor:
     """Crop (random-resized or centred) to crop_size, maybe flip, and normalise per channel to
-    float32 [C, c, c] (C = 3 for RGB, 1 for grayscale)."""
+    float32 [C, c, c] (C = 3 for RGB, 1 for grayscale). The augmentation draws from `generator`,
+    else from the sample's sample_generator() (a stream that knows its samples' seeds passes its own)."""
     w, h = img.size
     if augment:
         # One 62-bit draw from the sample's generator seeds a local RNG: the few numbers below cost one
         # torch call instead of five.
-        rng = random.Random(int(torch.randint(0, 2**62, (), generator=sample_generator()).item()))
+        draw = torch.randint(0, 2**62, (), generator=generator or sample_generator())
+        rng = random.Random(int(draw.item()))
         # resize(box=...) crops and scales in one pass over the pixels.
         img = img.resize((crop_size, crop_size), Image.Resampling.BILINEAR, box=_random_box(w, h, rng))
         if rng.random() < 0.5:
@@ -95,14 +97,14 @@ def _to_tensor(img: Image.Image, crop_size: int, augment: bool, mean: Sequence[f
     return pixels.sub_(mean).div_(std).contiguous()
 
 
-def _check_sizes(image_size: int, crop_size: int) -> None:
+def check_sizes(image_size: int, crop_size: int) -> None:
     if image_size < 1:
         raise DataError(f"dataset.image_size={image_size}: must be >= 1")
     if not 1 <= crop_size <= image_size:
         raise DataError(f"dataset.crop_size={crop_size}: must be between 1 and dataset.image_size={image_size}")
 
 
-def _check_channels(channels: int, mean, std) -> tuple[int, tuple[float, ...], tuple[float, ...]]:
+def check_channels(channels: int, mean, std) -> tuple[int, tuple[float, ...], tuple[float, ...]]:
     """(channels, mean, std) as plain tuples (Hydra may hand over ListConfigs, which should not travel
     to workers), with the defaults for the channel count."""
     if channels not in MODES:
@@ -147,7 +149,7 @@ class SyntheticJPEGDataset(Dataset):
     ):
         if size < 1:
             raise DataError(f"dataset.size={size}: must be >= 1")
-        _check_sizes(image_size, crop_size)
+        check_sizes(image_size, crop_size)
         if num_classes < 2:
             raise DataError(f"dataset.num_classes={num_classes}: must be >= 2")
         if not 1 <= quality <= 95:
@@ -167,7 +169,7 @@ class SyntheticJPEGDataset(Dataset):
         return len(self.jpegs)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return _to_tensor(_load_rgb(self.jpegs[index]), self.crop_size, self.augment), self.labels[index]
+        return to_tensor(load_rgb(self.jpegs[index]), self.crop_size, self.augment), self.labels[index]
 
 
 def _stripe_images(labels: np.ndarray, image_size: int, num_classes: int, seed: int) -> np.ndarray:
@@ -225,8 +227,8 @@ class ImageFolderDataset(Dataset):
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
     ):
-        _check_sizes(image_size, crop_size)
-        self.channels, self.mean, self.std = _check_channels(channels, mean, std)
+        check_sizes(image_size, crop_size)
+        self.channels, self.mean, self.std = check_channels(channels, mean, std)
         if isinstance(extensions, str):
             extensions = (extensions,)
         # A plain tuple of str: Hydra may hand over a ListConfig, which should not travel to workers.
@@ -290,10 +292,10 @@ class ImageFolderDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.samples[index]
         try:
-            img = _load_rgb(path, MODES[self.channels])
+            img = load_rgb(path, MODES[self.channels])
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
             # Pillow reports truncated/corrupt files with several types; the first line is enough.
             raise DataError(f"dataset.root={self.root!r}: cannot decode image {path!r} (index {index}): "
                             f"{first_line(exc)}") from exc
-        image = _to_tensor(_resize_shorter(img, self.image_size), self.crop_size, self.augment, self.mean, self.std)
+        image = to_tensor(resize_shorter(img, self.image_size), self.crop_size, self.augment, self.mean, self.std)
         return image, label
