@@ -535,7 +535,8 @@ def test_signal_to_the_whole_group_spares_the_workers(tmp_path, mlflow_store, ml
     assert list((tmp_path / "run" / "checkpoints").glob("epoch-*.pt"))
 
 
-@pytest.mark.parametrize("recipe", ["vision", "nlp", "nlp_ragged", "tabular", "smoke", "tabular_parquet"])
+@pytest.mark.parametrize("recipe", ["vision", "nlp", "nlp_ragged", "tabular", "smoke", "tabular_parquet",
+                                    "vision_shards"])
 def test_every_recipe_runs_end_to_end(dlpipe, recipe):
     """Each shipped recipe composes, builds and trains (cut to a few batches)."""
     r = dlpipe(f"+recipe={recipe}", "tracking=none", "trainer.epochs=1", "trainer.limit_train_batches=3",
