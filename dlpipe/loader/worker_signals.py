@@ -11,6 +11,8 @@ stop within the last few seconds (dlpipe.stop's shared clock, which its signal h
 signal, and the main process shuts the worker down itself. Otherwise (the main process stopping a
 stuck worker with terminate(), or a signal meant for this worker only) it dies as it would have.
 
+A forked worker starts with the stop signals blocked (its parent blocks them while it forks) and
+unblocks them in worker_init_fn, so a signal in between waits for its handlers.
 A spawned (or forkserver) worker runs no Python code of ours until worker_init_fn, seconds after it
 starts, and the signal mask is not inherited through exec here, so a signal in that window still
 kills it. For that case PyTorch's SIGCHLD handler (which raises wherever the main thread is) is made
@@ -61,6 +63,7 @@ def init_worker(stop_began, worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     for sig in WORKER_SIGNALS:
         signal.signal(sig, partial(_on_stop_signal, stop_began))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the fork (_EndsWorkersOnError)
 
 
 def worker_init_fn():
@@ -124,6 +127,12 @@ class _EndsWorkersOnError(_MultiProcessingDataLoaderIter):
 
     def __init__(self, loader):
         main = os.getpid()
+        # A forked worker inherits this thread's signal mask: it starts with the stop signals blocked
+        # and unblocks them in init_worker, once its own handlers are in place. A signal to the whole
+        # job in between (a worker of the same loader signalling the group, Ctrl-C) then waits for
+        # them, instead of killing a worker that has not run a line of ours yet.
+        ours = getattr(loader.worker_init_fn, "func", None) is init_worker
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if ours else None
         try:
             super().__init__(loader)
         except BaseException:
@@ -134,6 +143,9 @@ class _EndsWorkersOnError(_MultiProcessingDataLoaderIter):
                 os._exit(1)
             self._end_half_built()
             raise
+        finally:
+            if blocked is not None and os.getpid() == main:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _end_half_built(self) -> None:
         """Stop the workers a cut-short construction had started, through PyTorch's own shutdown, so its
