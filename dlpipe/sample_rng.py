@@ -43,6 +43,11 @@ class SampleBatch(list):
         return SampleBatch, (list(self), self.stream)
 
 
+def epoch_stream(seed: int, epoch: int) -> int:
+    """The random stream of an epoch: the seed of its order and, with a sample's index, of its draws."""
+    return seed * 1_000_003 + epoch
+
+
 def sample_seed(stream: int, index: int) -> int:
     """The seed of sample `index` in the epoch of `stream`: a function of both only."""
     return ((stream * _MIX) ^ (index * 0xBF58476D1CE4E5B9 + 1)) & _MASK

@@ -110,7 +110,7 @@ def test_a_streams_automatic_values_say_why_and_its_share_is_measured():
         "loader.worker_method": "process (auto: a stream: each worker process reads its own copy; threads would "
                                 "share one reader)",
         "loader.stream_share": "dlpipe (auto: 2 workers each yielded the stream's first 8 items: each of the 2 "
-                               "workers keeps every 2nd item, so each sample comes once an epoch; each worker still "
+                               "workers keeps every 2nd batch, so each sample comes once an epoch; each worker still "
                                "reads the whole stream: share it out at the source with get_worker_info() to read "
                                "1/2 each)"}
     loader, reasons = fit_stream(RAW_SET, asked, SharedOut(), world=1, epochs=2)

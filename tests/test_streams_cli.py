@@ -22,10 +22,10 @@ def test_a_stream_trains_each_sample_once_an_epoch_whatever_the_workers(dlpipe, 
     assert r.returncode == 0, r.stderr
     [run] = runs_of(mlflow_client, experiment)
     assert run.info.status == "FINISHED"
-    # 40 rows in batches of 8. Each worker batches its own rows (PyTorch's way with a stream): 2 workers
-    # of 20 rows make 8 + 8 + 4 twice, 6 steps an epoch; every row in both workers would make 10.
-    steps = 6 if workers else 5
-    assert steps_at_epoch_ends(mlflow_client, run) == [steps, 2 * steps]
+    # 40 rows in batches of 8: dlpipe deals whole batches to the workers, so 2 workers make the 5 batches
+    # of the main process (each worker batching half of the rows would make 8 + 8 + 4 twice, 6; every
+    # row in both workers, 10).
+    assert steps_at_epoch_ends(mlflow_client, run) == [5, 10]
     if workers:
         assert "loader.stream_share = dlpipe (auto: 2 workers each yielded the stream's first 8 items" in r.stdout
         assert run.data.params["loader.stream_share"] == "dlpipe"

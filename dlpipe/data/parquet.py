@@ -1,12 +1,12 @@
 """Rows of parquet files as a stream (a torch IterableDataset), read with pyarrow.
 
 A folder of parquet files larger than memory has no cheap index by row, but reads well in row
-groups, in order. The shards are (file, row group) pairs from the files' footers, and each DataLoader
-worker reads only its own (shard i to worker i % workers): every row is read once an epoch, by one
-worker, so dlpipe's probe (`dlpipe.loader.streams.shares_itself`) finds that the stream shares itself
-out and leaves it alone. A shuffle buffer of N rows mixes rows across row groups in memory bounded by
-N rows (`buffer_bytes`, for the loader's memory budget); the shard order and the buffer's draws come
-from (seed, epoch), so an epoch is reproducible and epochs differ.
+groups. The shards are (file, row group) pairs and their row counts come from the files' footers, so
+the epoch's order is computed before anything is read (dlpipe.data.shards.ShardedStream): row groups
+in an order drawn from (seed, epoch), their rows mixed in windows of `shuffle_buffer` rows. That
+order is the same on any number of DataLoader workers and ranks, so a resumed run sees the samples
+the interrupted one would have seen next. The window's rows take `buffer_bytes()` (per worker), for
+the loader's memory budget.
 
 Everything a model or a bad config needs is read from the footers (or one column) when the stream is
 built: a missing file or column, or a file that is not parquet, fails there, in one line, before
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +24,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
 
+from dlpipe.data.shards import ShardedStream
 from dlpipe.data.tabular import TabularDataset
 from dlpipe.errors import ConfigError, DataError, first_line
 from dlpipe.machine.disk import atomic_file, write_failure
@@ -112,7 +111,7 @@ def read_group(path: str, group: int, columns: list[str], opened: dict, convert)
                         f"{type(e).__name__}: {first_line(e)}") from e
 
 
-class ParquetStream(IterableDataset):
+class ParquetStream(ShardedStream):
     """Rows of parquet files, each `(features, target)`: a float32 vector of the `input` columns and,
     for an integer `target` column, a 0-d int64 tensor (a float one: float32); with `target: null`,
     the features alone.
@@ -122,9 +121,9 @@ class ParquetStream(IterableDataset):
         input: a column name, or a list of them stacked into one feature vector (a column may be a
             list of numbers: it adds its length).
         target: the target column, or null.
-        shuffle_buffer: rows held to shuffle across row groups (and the shard order shuffled each
+        shuffle_buffer: rows mixed together across row groups (and the row groups' order drawn each
             epoch); 0 reads the files in order.
-        seed: seed of the shard order and the buffer's draws, with the epoch.
+        seed: seed of the row groups' order and the rows' mixing, with the epoch.
     """
 
     def __init__(self, files: str | list[str], input: str | list[str], target: str | None = None,
@@ -138,12 +137,15 @@ class ParquetStream(IterableDataset):
         self.target = target
         self.shuffle_buffer, self.seed, self.epoch = shuffle_buffer, int(seed), 0
         self.shards: list[tuple[str, int]] = []
-        self.num_rows = 0
+        self.shard_rows: list[int] = []
         for path in self.files:
             footer = open_parquet(path)
             schema = self._check_columns(path, footer.schema_arrow)
             self.shards += [(path, group) for group in range(footer.metadata.num_row_groups)]
-            self.num_rows += footer.metadata.num_rows
+            self.shard_rows += [footer.metadata.row_group(group).num_rows
+                                for group in range(footer.metadata.num_row_groups)]
+        self._decoded: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+        self._opened: dict = {}  # the last file's footer, for its row groups in a row
         if self.num_rows == 0:
             raise ConfigError([f"dataset.files: no rows in {len(self.files)} parquet file(s) ({self.files[0]}, ...)"])
         self.num_features = self._feature_count(schema)
@@ -189,79 +191,45 @@ class ParquetStream(IterableDataset):
         return largest
 
     def row_bytes(self) -> int:
-        """Bytes one row takes in the buffer: the float32 features and the target's one number."""
+        """Bytes one row takes once read: the float32 features and the target's one number."""
         target = 0 if self.target is None else 8 if self.target_is_class else 4
         return 4 * self.num_features + target
 
     def buffer_bytes(self) -> int:
-        """The most bytes the shuffle buffer holds (per worker reading the stream)."""
+        """The most bytes a window of rows holds (per worker reading the stream)."""
         return self.shuffle_buffer * self.row_bytes()
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def __iter__(self) -> Iterator:
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        order = list(self.shards)
-        if self.shuffle_buffer:
-            shuffled = np.random.default_rng([self.seed, self.epoch]).permutation(len(order))
-            order = [order[i] for i in shuffled]  # the same order in every worker: their shares stay disjoint
-        chunks = self._read(order[worker::workers])
-        if self.shuffle_buffer:
-            rng = np.random.default_rng([self.seed, self.epoch, worker])
-            yield from self._shuffled(chunks, rng)
-        else:
-            for features, targets in chunks:
-                for i in range(len(features)):
-                    yield self._item(features[i].copy(), None if targets is None else targets[i])
-
-    def _read(self, shards: list[tuple[str, int]]) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
-        """(features, targets) of each shard, read one row group at a time; a row group that cannot be
-        read is a DataError naming the file and the row group."""
-        columns = self.input + ([self.target] if self.target is not None else [])
-        opened: dict = {}
-
-        def arrays(table: pa.Table) -> tuple[np.ndarray, np.ndarray | None]:
-            targets = None
-            if self.target is not None:  # booleans as classes 0 and 1
-                kind = np.int64 if self.target_is_class else np.float32
-                targets = table.column(self.target).to_numpy().astype(kind)
-            features = features_of(table, self.input)
-            if features.shape[1] != self.num_features:  # a list column longer or shorter here
-                raise ValueError(f"{features.shape[1]} features a row, {self.num_features} in the first row group")
-            return features, targets
-
-        for path, group in shards:
-            yield read_group(path, group, columns, opened, arrays)
-
-    def _shuffled(self, chunks, rng: np.random.Generator) -> Iterator:
-        """Reservoir-style: fill the buffer to N rows, then for each row read yield a random held one
-        and put the new row in its place; at the end, the rest in random order. Preallocated arrays:
-        the buffer never holds more than N rows."""
-        size, filled = self.shuffle_buffer, 0
-        features = np.empty((size, self.num_features), dtype=np.float32)
-        targets = None if self.target is None else np.empty(size, np.int64 if self.target_is_class else np.float32)
-        for chunk_features, chunk_targets in chunks:
-            draws = rng.integers(size, size=len(chunk_features))
-            for i in range(len(chunk_features)):
-                slot = filled
-                if filled == size:
-                    slot = draws[i]
-                    yield self._item(features[slot].copy(), None if targets is None else targets[slot])
-                else:
-                    filled += 1
-                features[slot] = chunk_features[i]
-                if targets is not None:
-                    targets[slot] = chunk_targets[i]
-        for slot in rng.permutation(filled):
-            yield self._item(features[slot].copy(), None if targets is None else targets[slot])
-
-    def _item(self, features: np.ndarray, target):
-        if target is None:
-            return torch.from_numpy(features)
+    def read_rows(self, shard: int, rows: np.ndarray) -> list:
+        features, targets = self._row_group(shard)
+        if targets is None:
+            return [torch.from_numpy(features[row].copy()) for row in rows]
         dtype = torch.int64 if self.target_is_class else torch.float32
-        return torch.from_numpy(features), torch.tensor(target, dtype=dtype)
+        return [(torch.from_numpy(features[row].copy()), torch.tensor(targets[row], dtype=dtype)) for row in rows]
+
+    def _row_group(self, shard: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(features, targets) of one row group, decoded once for the windows in a row that take rows
+        of it (the last two kept: a window ends in one row group and the next starts there)."""
+        if shard not in self._decoded:
+            if len(self._decoded) == 2:
+                del self._decoded[next(iter(self._decoded))]
+            path, group = self.shards[shard]
+            columns = self.input + ([self.target] if self.target is not None else [])
+            self._decoded[shard] = read_group(path, group, columns, self._opened, self._arrays)
+        return self._decoded[shard]
+
+    def __getstate__(self) -> dict:
+        # a worker reads its own: an open file does not travel, nor rows decoded in the main process
+        return {**self.__dict__, "_decoded": {}, "_opened": {}}
+
+    def _arrays(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray | None]:
+        targets = None
+        if self.target is not None:  # booleans as classes 0 and 1
+            kind = np.int64 if self.target_is_class else np.float32
+            targets = table.column(self.target).to_numpy().astype(kind)
+        features = features_of(table, self.input)
+        if features.shape[1] != self.num_features:  # a list column longer or shorter here
+            raise ValueError(f"{features.shape[1]} features a row, {self.num_features} in the first row group")
+        return features, targets
 
 
 class SyntheticTabularParquet(ParquetStream):

@@ -48,12 +48,9 @@ from dlpipe.data.vision import (
 )
 from dlpipe.errors import ConfigError, DataError, first_line
 from dlpipe.machine.disk import atomic_file
-from dlpipe.sample_rng import sample_seed
 
 TENSORS = {"npy", "pt", "pth"}
 """Extensions of members read as tensors; any other input member is an image."""
-EPOCH_STREAM = 1_000_003
-"""An epoch's random stream is seed * EPOCH_STREAM + epoch, as the loader numbers it for map datasets."""
 
 
 def extensions(key: str, value) -> tuple[str, ...]:
@@ -95,10 +92,9 @@ class TarShards(ShardedStream):
         self.files = find_files(files, ".tar")
         self.shards: list[TarShard] = [index_tar(path, self.inputs, self.target) for path in self.files]
         self.shard_rows = [len(shard.names) for shard in self.shards]
-        self.starts = np.concatenate([[0], np.cumsum(self.shard_rows)])
         if self.target is not None:
             self.num_classes = int(max(shard.targets.max() for shard in self.shards)) + 1
-        self._item_bytes = self._bytes_of(self.read_rows(0, np.zeros(1, np.int64))[0])
+        self._item_bytes = self._bytes_of(self.build(self.read_rows(0, np.zeros(1, np.int64))[0]))
 
     def _bytes_of(self, item) -> int:
         """Bytes an item takes once read: its tensor, and the class as one int64."""
@@ -112,7 +108,8 @@ class TarShards(ShardedStream):
         """The most bytes a window of samples holds (per worker reading the stream)."""
         return self.shuffle_buffer * self.item_bytes()
 
-    def read_rows(self, shard: int, rows: np.ndarray) -> list:
+    def read_rows(self, shard: int, rows: np.ndarray) -> list[tuple[str, str, bytes, int | None]]:
+        """(file, member, its bytes, class) of each row: one seek and one read each."""
         index = self.shards[shard]
         try:
             f = open(index.path, "rb")
@@ -120,22 +117,27 @@ class TarShards(ShardedStream):
             raise DataError(f"dataset.files: {index.path} member {index.names[rows[0]]!r} cannot be read: "
                             f"{first_line(e)}") from e
         with f:
-            return [self._item(index, int(row), f, int(self.starts[shard] + row)) for row in rows]
+            return [self._record(index, int(row), f) for row in rows]
 
-    def _item(self, shard: TarShard, row: int, f, sample: int):
+    def _record(self, shard: TarShard, row: int, f) -> tuple[str, str, bytes, int | None]:
         name = shard.names[row]
-        try:
-            f.seek(shard.offsets[row])
-            data = f.read(shard.sizes[row])
-            if len(data) != shard.sizes[row]:
-                raise EOFError(f"{len(data)} of its {shard.sizes[row]} bytes left in the file")
-            value = self._decode(name, data, sample)
-        except Exception as e:
-            raise DataError(f"dataset.files: {shard.path} member {name!r} cannot be decoded: "
-                            f"{type(e).__name__}: {first_line(e)}") from e
-        return value if shard.targets is None else (value, int(shard.targets[row]))
+        f.seek(shard.offsets[row])
+        data = f.read(shard.sizes[row])
+        if len(data) != shard.sizes[row]:
+            raise DataError(f"dataset.files: {shard.path} member {name!r} cannot be decoded: EOFError: "
+                            f"{len(data)} of its {shard.sizes[row]} bytes left in the file")
+        return shard.path, name, data, None if shard.targets is None else int(shard.targets[row])
 
-    def _decode(self, name: str, data: bytes, sample: int) -> torch.Tensor:
+    def build(self, record: tuple[str, str, bytes, int | None]):
+        path, name, data, target = record
+        try:
+            value = self._decode(name, data)
+        except Exception as e:
+            raise DataError(f"dataset.files: {path} member {name!r} cannot be decoded: "
+                            f"{type(e).__name__}: {first_line(e)}") from e
+        return value if target is None else (value, target)
+
+    def _decode(self, name: str, data: bytes) -> torch.Tensor:
         extension = name.rpartition("/")[2].partition(".")[2].lower()
         if extension == "npy":
             return torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False))
@@ -145,10 +147,8 @@ class TarShards(ShardedStream):
                 raise TypeError(f"holds a {type(tensor).__name__}, not a tensor")
             return tensor
         image = resize_shorter(load_rgb(data, MODES[self.channels]), self.image_size)
-        generator = None
-        if self.augment:
-            generator = torch.Generator().manual_seed(sample_seed(self.seed * EPOCH_STREAM + self.epoch, sample))
-        return to_tensor(image, self.crop_size, self.augment, self.mean, self.std, generator)
+        # the augmentation draws from the sample's generator (ShardedStream.build: seeded by seed, epoch, sample)
+        return to_tensor(image, self.crop_size, self.augment, self.mean, self.std)
 
 
 class SyntheticJPEGShards(TarShards):

@@ -72,15 +72,15 @@ def _random_box(w: int, h: int, rng: random.Random) -> tuple[int, int, int, int]
 
 
 def to_tensor(img: Image.Image, crop_size: int, augment: bool, mean: Sequence[float] = MEAN,
-              std: Sequence[float] = STD, generator: torch.Generator | None = None) -> torch.Tensor:
+              std: Sequence[float] = STD) -> torch.Tensor:
     """Crop (random-resized or centred) to crop_size, maybe flip, and normalise per channel to
-    float32 [C, c, c] (C = 3 for RGB, 1 for grayscale). The augmentation draws from `generator`,
-    else from the sample's sample_generator() (a stream that knows its samples' seeds passes its own)."""
+    float32 [C, c, c] (C = 3 for RGB, 1 for grayscale). The augmentation draws from the sample's
+    sample_generator()."""
     w, h = img.size
     if augment:
         # One 62-bit draw from the sample's generator seeds a local RNG: the few numbers below cost one
         # torch call instead of five.
-        draw = torch.randint(0, 2**62, (), generator=generator or sample_generator())
+        draw = torch.randint(0, 2**62, (), generator=sample_generator())
         rng = random.Random(int(draw.item()))
         # resize(box=...) crops and scales in one pass over the pixels.
         img = img.resize((crop_size, crop_size), Image.Resampling.BILINEAR, box=_random_box(w, h, rng))

@@ -19,6 +19,7 @@ from dlpipe.loader.fetch import BatchGather, EpochBatches, fetch_mode, gather_fo
 from dlpipe.loader.streams import StreamShare, is_stream
 from dlpipe.loader.threads import ThreadLoader, worker_method_of
 from dlpipe.loader.worker_signals import SignalSafeLoader, worker_init_fn
+from dlpipe.sample_rng import epoch_stream
 from dlpipe.schema import LoaderConfig
 
 
@@ -64,7 +65,7 @@ class EpochOrder(Sampler[int]):
     @property
     def stream(self) -> int:
         """The epoch's random stream: its order's seed, and (dlpipe.sample_rng) its samples'."""
-        return self.seed * 1_000_003 + self.epoch
+        return epoch_stream(self.seed, self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -222,7 +223,7 @@ def build_loader(
                                    prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                                    shuffle=shuffle, drop_last=drop_last, timeout=timeout,
                                    multiprocessing_context=multiprocessing_context, seed=seed, cuda=cuda,
-                                   collate_fn=collate_fn, role=role, rank=rank, fetch=fetch,
+                                   collate_fn=collate_fn, role=role, rank=rank, world=world, fetch=fetch,
                                    worker_method=worker_method, share=stream_share == "dlpipe")
     asked = dict(zip(NORMALISED, (pin_memory, prefetch_factor, persistent_workers, timeout, multiprocessing_context),
                      strict=True))
@@ -277,14 +278,16 @@ def _check_collate(collate_fn) -> None:
 def build_stream_loader(stream: IterableDataset, *, batch_size: int, num_workers: int, pin_memory: bool,
                         prefetch_factor: int | None, persistent_workers: bool, shuffle: bool, drop_last: bool,
                         timeout: float, multiprocessing_context: str | None, seed: int, cuda: bool,
-                        collate_fn: Callable | None, role: str, rank: int, fetch: str,
+                        collate_fn: Callable | None, role: str, rank: int, world: int, fetch: str,
                         worker_method: str, share: bool) -> LoaderPlan:
     """build_loader for a stream (loader.streams): PyTorch's DataLoader over it, item by item in worker
-    processes, each keeping its share of the items with `share` (loader.stream_share=dlpipe); what a
-    stream cannot take is a note."""
+    processes, each keeping its own batches of this rank's with `share` (loader.stream_share=dlpipe);
+    what a stream cannot take is a note."""
     notes, requested = [], {}
-    stream = StreamShare(unwrapped(stream), share=share)
-    if shuffle and role == "train":
+    training = role == "train"
+    stream = StreamShare(unwrapped(stream), share=share, batch_size=batch_size, drop_last=drop_last and training,
+                         rank=rank, world=world, pad=training)
+    if shuffle and training:
         notes.append("loader.shuffle=true ignored: a stream is read in its own order (shuffle it at the source, "
                      "e.g. a shuffle buffer)")
     if fetch == "batch":
@@ -303,7 +306,7 @@ def build_stream_loader(stream: IterableDataset, *, batch_size: int, num_workers
     settings, changed, more = normalise(num_workers, asked, cuda)
     generator = torch.Generator()
     generator.manual_seed(seed + rank)  # each worker's torch, random and NumPy seeds, as for map datasets
-    loader = SignalSafeLoader(stream, batch_size=batch_size, drop_last=drop_last and role == "train",
+    loader = SignalSafeLoader(stream, batch_size=batch_size, drop_last=drop_last and training,
                               collate_fn=collate_fn, num_workers=num_workers, generator=generator,
                               worker_init_fn=worker_init_fn() if num_workers > 0 else None,
                               reseed=None if role == "train" else seed + rank, **settings)

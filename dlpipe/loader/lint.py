@@ -22,6 +22,7 @@ class LoaderFacts:
     batch_bytes: int
     shm_free_bytes: int | None
     world_size: int = 1
+    reads_positions: bool = False  # a stream that builds only the items asked for (dlpipe.data.shards)
 
 
 def _mb(n: int) -> str:
@@ -66,7 +67,7 @@ def lint_loader(loader: LoaderConfig, epochs: int, facts: LoaderFacts) -> list[s
                    "free (Docker's default is 64 MB): workers may die with a bus error; raise --shm-size or "
                    "lower loader.num_workers, loader.prefetch_factor or loader.batch_size")
     if facts.train_size is None:
-        return out + _lint_stream(loader)
+        return out + _lint_stream(loader, facts.reads_positions)
     per_rank = facts.train_size // max(facts.world_size, 1)
     if facts.world_size > 1 and facts.train_size % facts.world_size:
         out.append(f"{facts.train_size} training samples over {facts.world_size} ranks: each epoch repeats "
@@ -78,20 +79,23 @@ def lint_loader(loader: LoaderConfig, epochs: int, facts: LoaderFacts) -> list[s
     return out
 
 
-def _lint_stream(loader: LoaderConfig) -> list[str]:
-    """A stream dlpipe shares out: every worker reads all of it, to keep its share."""
+def _lint_stream(loader: LoaderConfig, reads_positions: bool) -> list[str]:
+    """A stream dlpipe shares out: every worker reads all of it, to keep its share (unless the stream
+    builds only the items asked for)."""
     workers = loader.num_workers
-    if workers > 1 and loader.stream_share == "dlpipe":
+    if workers > 1 and loader.stream_share == "dlpipe" and not reads_positions:
         return [f"loader.stream_share=dlpipe: each of the {workers} workers reads the whole stream and keeps "
                 f"1/{workers} of it, so the stream is read {workers} times an epoch; share it out at the source "
                 "(each worker reads its own files or rows by torch.utils.data.get_worker_info()) to read it once"]
     return []
 
 
-def lint_job(cfg: DlpipeConfig, train_size: int | None, batch_bytes: int, cpu_budget: int) -> list[str]:
-    """The lint for a job's config on this machine."""
+def lint_job(cfg: DlpipeConfig, train_size: int | None, batch_bytes: int, cpu_budget: int,
+             reads_positions: bool = False) -> list[str]:
+    """The lint for a job's config on this machine; `reads_positions`: see LoaderFacts."""
     facts = LoaderFacts(
         cpu_budget=cpu_budget, cuda=cfg.trainer.device.startswith("cuda"), train_size=train_size,
         batch_bytes=batch_bytes, shm_free_bytes=shm_free_bytes(), world_size=world_size(),
+        reads_positions=reads_positions,
     )
     return lint_loader(cfg.loader, cfg.trainer.epochs, facts)

@@ -16,7 +16,7 @@ from torch.utils.data import IterableDataset, default_collate
 from dlpipe.errors import ConfigError, DataError
 from dlpipe.loader import policy
 from dlpipe.loader.decisions import prefetch, workers_for_data
-from dlpipe.loader.streams import shares_itself
+from dlpipe.loader.streams import reads_positions, shares_itself
 from dlpipe.schema import LoaderConfig
 
 PROBE_TIMEOUT_S = 60.0  # for the probing workers' first items: a reader of remote files may be slow to open
@@ -91,8 +91,14 @@ def _share(loader: LoaderConfig, stream: IterableDataset, reasons: dict[str, str
     if loader.stream_share != "auto":
         return loader
     if not loader.num_workers:
-        reasons["loader.stream_share"] = "source (auto: no workers: the main process reads the stream once)"
-        return replace(loader, stream_share="source")
+        reasons["loader.stream_share"] = ("dlpipe (auto: no workers: the main process reads the stream once and "
+                                          "dlpipe batches it in its order)")
+        return replace(loader, stream_share="dlpipe")
+    if reads_positions(stream):
+        reasons["loader.stream_share"] = (f"dlpipe (auto: {type(stream).__name__} reads any position of its epoch: "
+                                          f"dlpipe deals whole batches to the {loader.num_workers} workers, each "
+                                          "building only its own, in an order that does not depend on them)")
+        return replace(loader, stream_share="dlpipe")
     shares, why = shares_itself(stream, loader.multiprocessing_context, PROBE_TIMEOUT_S)
     if shares is None:
         raise ConfigError([f"loader.stream_share=auto: cannot tell whether the stream shares itself out among "
@@ -103,7 +109,7 @@ def _share(loader: LoaderConfig, stream: IterableDataset, reasons: dict[str, str
         return replace(loader, stream_share="source")
     n = loader.num_workers
     reasons["loader.stream_share"] = (
-        f"dlpipe (auto: {why}: each of the {n} workers keeps every {_ordinal(n)} item, so each sample comes once an "
+        f"dlpipe (auto: {why}: each of the {n} workers keeps every {_ordinal(n)} batch, so each sample comes once an "
         f"epoch; each worker still reads the whole stream: share it out at the source with get_worker_info() "
         f"to read 1/{n} each)")
     return replace(loader, stream_share="dlpipe")

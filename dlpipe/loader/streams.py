@@ -4,9 +4,10 @@ of files or a Hugging Face dataset in streaming mode.
 A DataLoader hands each worker a copy of the stream. A stream that does not share itself out
 (by `get_worker_info()`) then yields every sample once per worker, each epoch: the classic
 duplicate-samples mistake. Whether a stream shares itself out is measured here, not guessed: two
-worker processes read its first items (`shares_itself`). One that does not is shared out by
-`StreamShare`: each worker keeps every Nth item, so every sample is trained on once an epoch, at
-the cost of every worker reading (and skipping) the whole stream.
+worker processes read its first items (`shares_itself`). One that does not is dealt out by
+`StreamShare`: each worker keeps its own batches, so every sample is trained on once an epoch, in an
+order that does not depend on the workers, at the cost of every worker reading (and skipping) the
+whole stream; a stream that can read any position (dlpipe.data.shards) builds only its own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from dlpipe.errors import DataError
 from dlpipe.loader.fetch import unwrapped
+from dlpipe.loader.stream_deal import Deal
 from dlpipe.loader.worker_signals import SignalSafeLoader, worker_init_fn
 
 PROBE_ITEMS = 8
@@ -43,15 +45,30 @@ def size_of(dataset: Dataset) -> int | None:
     return None if is_stream(dataset) else len(dataset)  # type: ignore[arg-type]
 
 
+def reads_positions(dataset: Dataset) -> bool:
+    """Whether the dataset is a stream that builds only the items of the positions asked for
+    (`read_positions`, dlpipe.data.shards.ShardedStream) and counts them (`num_rows`)."""
+    stream = unwrapped(dataset)
+    return callable(getattr(stream, "read_positions", None)) and hasattr(stream, "num_rows")
+
+
 class StreamShare(IterableDataset):
-    """The stream as this DataLoader worker reads it: its failures named by their place in the stream,
-    and, with `share=True`, only this worker's share (every Nth item from its own offset).
-    `set_epoch` reaches the stream (a Hugging Face stream reshuffles its shards and buffer by it)."""
+    """The stream as one DataLoader worker of one rank reads it: its failures named by their place in
+    the stream and, with `share=True`, only this worker's batches (loader.stream_deal.Deal: whole
+    batches in the epoch's order, the same on any number of workers). A stream that reads any of its
+    positions (`read_positions`, dlpipe.data.shards.ShardedStream) builds only those; another is read
+    whole by every worker, which keeps its own. `set_epoch` reaches the stream (a Hugging Face
+    stream reshuffles its shards and buffer by it); `resume(epoch, rounds)` leaves out the batches
+    a resumed epoch already trained on."""
 
     dlpipe_wrapper = True  # dlpipe.loader.fetch.unwrapped() looks through it
 
-    def __init__(self, stream: IterableDataset, share: bool):
+    def __init__(self, stream: IterableDataset, share: bool, batch_size: int = 1, drop_last: bool = False,
+                 rank: int = 0, world: int = 1, pad: bool = True):
         self.dataset, self.share = stream, share
+        self.batch_size, self.drop_last, self.pad = batch_size, drop_last, pad
+        self.rank, self.world = rank, world
+        self.epoch, self.resumed = 0, (None, 0)
 
     def __getattr__(self, name):
         # num_classes and the like read as on the stream; `dataset` guarded for unpickling in a worker
@@ -60,15 +77,41 @@ class StreamShare(IterableDataset):
         return getattr(self.dataset, name)
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch  # workers start anew each epoch (build_stream_loader): each copy has it
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
+
+    def resume(self, epoch: int, rounds: int) -> None:
+        """Leave out the first `rounds` rounds of batches of `epoch` (one batch per rank each)."""
+        self.resumed = (epoch, rounds)
+
+    def __len__(self) -> int:
+        """Items this rank takes an epoch, where dlpipe deals a stream that counts its rows
+        (dlpipe.data.shards): then a DataLoader over it has a length (progress, a schedule's steps)."""
+        if not (self.share and reads_positions(self.dataset)):
+            raise TypeError(f"a stream ({type(self.dataset).__name__}) has no length")
+        deal = Deal(self.batch_size, world=self.world, rank=self.rank, drop_last=self.drop_last, pad=self.pad)
+        full, rest = divmod(self.dataset.num_rows, deal.round_size)
+        return full * self.batch_size + (len(deal.last_round(rest)) if rest else 0)
 
     def __iter__(self) -> Iterator:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         where = f" (worker {worker} of {workers})" if workers > 1 else ""
-        every = workers if self.share else 1
-        items = iter(self.dataset)
+        if not self.share:
+            return self._named(iter(self.dataset), where)
+        start = self.resumed[1] if self.resumed[0] == self.epoch else 0
+        deal = Deal(self.batch_size, workers, worker, self.world, self.rank, self.drop_last, self.pad, start)
+        if reads_positions(self.dataset):
+            total = self.dataset.num_rows
+            return self._named(self.dataset.read_positions(lambda positions: deal.mask(positions, total)), where,
+                               counted=False)
+        return deal.items(self._named(iter(self.dataset), where))
+
+    @staticmethod
+    def _named(items: Iterator, where: str, counted: bool = True) -> Iterator:
+        """The items; a failure as a StreamError naming the item's place in the stream (when `counted`:
+        the items are the stream's own, in its order) and the worker."""
         position = 0
         while True:
             try:
@@ -78,9 +121,9 @@ class StreamShare(IterableDataset):
             except DataError:
                 raise
             except Exception as e:
-                raise StreamError(f"stream item {position}{where}: {type(e).__name__}: {e}") from e
-            if position % every == worker % every:
-                yield item
+                place = f"stream item {position}" if counted else "a stream item"
+                raise StreamError(f"{place}{where}: {type(e).__name__}: {e}") from e
+            yield item
             position += 1
 
 

@@ -11,6 +11,7 @@ are not reproducible: then threads are taken for such a dataset too, and the rea
 free-threaded Python there is no GIL to share.
 """
 
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import psutil
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from dlpipe.errors import user_message
 from dlpipe.loader import policy
@@ -150,10 +151,13 @@ def choose(dataset: Dataset, loader: LoaderConfig, collate_fn: Callable | None,
 def global_draws(dataset: Dataset) -> str | None:
     """Which global RNG (torch, numpy, random) fetching a few training items advanced, or None.
     The items are fetched as training fetches them (a SampleBatch: sample_generator() is theirs)."""
-    n = len(dataset)  # type: ignore[arg-type]
     before = rng.capture()
-    BatchGather(dataset, None, lambda items: items)[SampleBatch(
-        sorted({i * (n - 1) // max(RNG_PROBE_ITEMS - 1, 1) for i in range(min(RNG_PROBE_ITEMS, n))}), 0)]
+    if isinstance(dataset, IterableDataset):  # a stream: its first items
+        list(itertools.islice(dataset, RNG_PROBE_ITEMS))
+    else:
+        n = len(dataset)  # type: ignore[arg-type]
+        BatchGather(dataset, None, lambda items: items)[SampleBatch(
+            sorted({i * (n - 1) // max(RNG_PROBE_ITEMS - 1, 1) for i in range(min(RNG_PROBE_ITEMS, n))}), 0)]
     after = rng.capture()
     rng.restore(before)
     changed = [name for key, name in (("torch", "torch"), ("numpy", "numpy"), ("python", "random"))

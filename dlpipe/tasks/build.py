@@ -268,7 +268,7 @@ def build_scheduler(cfg: DlpipeConfig, optimizer, steps_per_epoch: int | None):
     if "total_steps" in takes and node.get("total_steps") is None and node.get("epochs") is None:
         if span is None:
             raise ConfigError([f"scheduler._target_={node['_target_']}: its total_steps cannot be derived, the "
-                               "training loader has no length; set trainer.max_steps (or scheduler.total_steps)"])
+                               "training loader has no length; set trainer.max_steps (or +scheduler.total_steps=N)"])
         extra["total_steps"] = span
     warmup = node.get("warmup_steps") or 0
     if span is not None and warmup >= span:

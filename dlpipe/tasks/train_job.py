@@ -100,10 +100,12 @@ class TrainJob:
                 self.tags["dlpipe.init_from"] = str(init_weights(self.trainer.model, self.cfg.checkpoint.init_from))
             return None
         check_model_fits(self.trainer.model, start["model"], path)
-        # A stream's batches follow the loader (each worker batches its own share); a map dataset's, only
-        # where it draws from the global RNGs (the loader's BatchGather holds it: a few items are fetched).
+        # Batches follow the loader where the dataset draws from the global RNGs while fetching (the
+        # loader's wrapper holds it: a few items are fetched), and for a stream that shares itself out
+        # among the workers (its order is theirs); dlpipe deals a stream's batches in its own order.
         dataset = self.loader.dataset
-        self.samples_follow_loader = is_stream(dataset) or global_draws(dataset.dataset) is not None
+        shared_at_source = is_stream(dataset) and not dataset.share
+        self.samples_follow_loader = shared_at_source or global_draws(dataset.dataset) is not None
         changed, speed = config_changes(start.get("config", {}), self.config_flat, self.samples_follow_loader)
         if changed:
             log.warning("resuming with a changed config: %s", ", ".join(changed))

@@ -235,13 +235,17 @@ class Trainer:
             sampler.set_epoch(epoch)  # the order depends on (seed, epoch) only: resumable, like DistributedSampler
         elif isinstance(getattr(loader, "dataset", None), IterableDataset) and hasattr(loader.dataset, "set_epoch"):
             loader.dataset.set_epoch(epoch)  # a stream orders itself by the epoch (a Hugging Face stream does)
+        dataset = getattr(loader, "dataset", None)
+        dealt = pending is not None and getattr(dataset, "share", False) and hasattr(dataset, "resume")
+        if dealt:  # a stream dealt by dlpipe (loader.streams.StreamShare): its workers leave those batches out
+            dataset.resume(epoch, pending[0])
         iterator = iter(loader)
         if pending is None:
             return iterator, 0
         done, resume_rng, epoch_loss = pending
         if epoch_loss is not None:  # the interrupted epoch's train_loss goes on from its batches so far
             self.epoch_loss.load_state_dict(epoch_loss)
-        for _ in range(done):  # resuming mid-epoch: same order and worker seeds, so skip what was trained
+        for _ in range(0 if dealt else done):  # resuming mid-epoch: same order and seeds, so skip what was trained
             if next(iterator, None) is None:
                 break  # the epoch is shorter than when the checkpoint was written (batch size changed)
         rng.restore(resume_rng)  # fetching the skipped batches may have drawn from the RNGs
