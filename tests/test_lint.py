@@ -1,5 +1,7 @@
 """The pre-flight lint: one line per risky loader setting, each naming the key and the fix."""
 
+from dataclasses import replace
+
 import pytest
 
 from dlpipe.loader import decisions as loader_decisions
@@ -79,3 +81,18 @@ def test_the_issue_case_keeps_no_workers_the_lint_would_refuse():
     """dataset.size=1100, batch 64, 3 epochs, 4 workers: 990 training items, 16 batches, 4 per worker."""
     decision = loader_decisions.persistent(4, 3, 1100, 64, 0.1, False)
     assert decision.value is False and "4.0 batches per worker" in decision.reason
+
+
+def test_a_streams_shuffle_windows_count_against_the_memory_available():
+    """Each reader of a stream (each worker) holds its own window: 2 x 500 MB and 4 MB of batches in
+    flight against 80% of 1 GB is over, one worker's is not; nothing said without a window."""
+    stream = {**GOOD, "persistent_workers": False, "stream_share": "dlpipe"}
+    facts = replace(FACTS, train_size=None, reads_positions=True, stream_buffer_bytes=500 * 2**20,
+                    ram_available=2**30)
+    [line] = lint(stream, epochs=5, facts=facts)
+    assert line == ("2 reader(s) of the stream each hold its shuffle window of 500 MB (1004 MB with the batches in "
+                    "flight), over 80% of the 1024 MB of memory available: the out-of-memory killer would end "
+                    "them; lower dataset.shuffle_buffer or loader.num_workers")
+    assert lint(stream, epochs=5, facts=replace(facts, stream_buffer_bytes=100 * 2**20)) == []
+    assert lint({**stream, "num_workers": 1}, epochs=5, facts=facts) == []
+    assert lint(stream, epochs=5, facts=replace(facts, stream_buffer_bytes=0)) == []

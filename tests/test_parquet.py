@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlpipe.data.parquet import ParquetStream, SyntheticTabularParquet
+from dlpipe.data.shards import WINDOW_ROWS
 from dlpipe.data.tabular import TabularDataset
 from dlpipe.errors import ConfigError, DataError
 from dlpipe.loader.streams import shares_itself
@@ -88,10 +89,12 @@ def test_the_shuffle_buffer_holds_at_most_its_rows(tmp_path):
     assert sorted(out) == list(range(ROWS)) and out != list(range(ROWS))
     # the k-th row out is drawn from the 10 held before the (k + 10)-th row was read: never a later one
     assert max(row - k for k, row in enumerate(out)) == 10 - 1
-    assert stream.buffer_bytes() == 10 * (2 * 4 + 8)  # 2 float32 features and an int64 target a row
+    # a window of 10 rows and two decoded row groups (of 90 rows): 2 float32 features and an int64 target a row
+    assert stream.buffer_bytes() == (10 + 2 * ROWS) * (2 * 4 + 8)
     float_target = ParquetStream(str(tmp_path / "one" / "*.parquet"), "x", "y", shuffle_buffer=10)
-    assert float_target.buffer_bytes() == 10 * (4 + 4)
-    assert ParquetStream(str(tmp_path / "one" / "*.parquet"), "x", "y").buffer_bytes() == 0
+    assert float_target.buffer_bytes() == (10 + 2 * ROWS) * (4 + 4)
+    in_order = ParquetStream(str(tmp_path / "one" / "*.parquet"), "x", "y")  # read in windows of WINDOW_ROWS
+    assert in_order.buffer_bytes() == (WINDOW_ROWS + 2 * ROWS) * (4 + 4)
 
 
 def test_sizes_come_from_the_footers_and_the_target_column(tmp_path):

@@ -5,8 +5,8 @@ groups. The shards are (file, row group) pairs and their row counts come from th
 the epoch's order is computed before anything is read (dlpipe.data.shards.ShardedStream): row groups
 in an order drawn from (seed, epoch), their rows mixed in windows of `shuffle_buffer` rows. That
 order is the same on any number of DataLoader workers and ranks, so a resumed run sees the samples
-the interrupted one would have seen next. The window's rows take `buffer_bytes()` (per worker), for
-the loader's memory budget.
+the interrupted one would have seen next. A window's rows and the row groups being read take
+`buffer_bytes()` (per worker), for the loader's memory budget.
 
 Everything a model or a bad config needs is read from the footers (or one column) when the stream is
 built: a missing file or column, or a file that is not parquet, fails there, in one line, before
@@ -190,14 +190,14 @@ class ParquetStream(ShardedStream):
             largest = max(largest, -1 if top is None else int(top))  # None: a row group without rows
         return largest
 
-    def row_bytes(self) -> int:
+    def record_bytes(self) -> int:
         """Bytes one row takes once read: the float32 features and the target's one number."""
         target = 0 if self.target is None else 8 if self.target_is_class else 4
         return 4 * self.num_features + target
 
     def buffer_bytes(self) -> int:
-        """The most bytes a window of rows holds (per worker reading the stream)."""
-        return self.shuffle_buffer * self.row_bytes()
+        """A window of rows, and the two decoded row groups kept for the windows that take rows of them."""
+        return super().buffer_bytes() + 2 * max(self.shard_rows) * self.record_bytes()
 
     def read_rows(self, shard: int, rows: np.ndarray) -> list:
         features, targets = self._row_group(shard)

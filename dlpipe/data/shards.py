@@ -52,6 +52,15 @@ class ShardedStream(IterableDataset):
         the same for a row in an epoch on any worker. The record itself by default."""
         return record
 
+    def record_bytes(self) -> int:
+        """Bytes one row's record takes (read, not yet built), for the memory a window holds."""
+        return 0
+
+    def buffer_bytes(self) -> int:
+        """The most bytes one reader of the stream holds at once, a window of records (each worker
+        reading it holds its own): for the loader's memory estimate (dlpipe.loader.stream_fit)."""
+        return (self.shuffle_buffer or WINDOW_ROWS) * self.record_bytes()
+
     @property
     def num_rows(self) -> int:
         return int(sum(self.shard_rows))

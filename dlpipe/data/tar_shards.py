@@ -94,19 +94,12 @@ class TarShards(ShardedStream):
         self.shard_rows = [len(shard.names) for shard in self.shards]
         if self.target is not None:
             self.num_classes = int(max(shard.targets.max() for shard in self.shards)) + 1
-        self._item_bytes = self._bytes_of(self.build(self.read_rows(0, np.zeros(1, np.int64))[0]))
+        self.build(self.read_rows(0, np.zeros(1, np.int64))[0])  # a member that cannot be decoded: said now
 
-    def _bytes_of(self, item) -> int:
-        """Bytes an item takes once read: its tensor, and the class as one int64."""
-        return item.nbytes if self.target is None else item[0].nbytes + 8
-
-    def item_bytes(self) -> int:
-        """Bytes one sample takes once read (the first sample's: images are cropped to one size)."""
-        return self._item_bytes
-
-    def buffer_bytes(self) -> int:
-        """The most bytes a window of samples holds (per worker reading the stream)."""
-        return self.shuffle_buffer * self.item_bytes()
+    def record_bytes(self) -> int:
+        """A sample's record: its input member's bytes (the mean over the tars), and the class."""
+        sizes = np.concatenate([shard.sizes for shard in self.shards])
+        return int(np.ceil(sizes.mean())) + (0 if self.target is None else 8)
 
     def read_rows(self, shard: int, rows: np.ndarray) -> list[tuple[str, str, bytes, int | None]]:
         """(file, member, its bytes, class) of each row: one seek and one read each."""

@@ -18,7 +18,7 @@ from dlpipe.loader.fetch import find_gather, gather_for
 from dlpipe.loader.lint import lint_job
 from dlpipe.loader.probe import item_fetch_seconds
 from dlpipe.loader.stream_fit import fit_stream
-from dlpipe.loader.streams import is_stream, reads_positions, size_of
+from dlpipe.loader.streams import buffer_bytes, is_stream, reads_positions, size_of
 from dlpipe.loader.worker_method import global_draws
 from dlpipe.schema import DlpipeConfig, LoaderConfig
 
@@ -140,7 +140,8 @@ def warn_about_loaders(cfg: DlpipeConfig, train_set, plans, cpu_budget: int) -> 
     """Each loader's build notes, then the pre-flight lint of the training loader."""
     for note in loader_notes(plans):
         log.warning(note)
-    for line in lint_job(cfg, size_of(train_set), plans[0].batch_bytes, cpu_budget, reads_positions(train_set)):
+    for line in lint_job(cfg, size_of(train_set), plans[0].batch_bytes, cpu_budget, reads_positions(train_set),
+                         buffer_bytes(train_set)):
         log.warning("lint: %s", line)
 
 

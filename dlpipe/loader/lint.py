@@ -8,7 +8,7 @@ with no workers, a batch larger than the data with drop_last) are config errors 
 from dataclasses import dataclass
 
 from dlpipe.loader import policy
-from dlpipe.machine.hardware import shm_free_bytes, world_size
+from dlpipe.machine.hardware import memory_available_bytes, shm_free_bytes, world_size
 from dlpipe.schema import DlpipeConfig, LoaderConfig
 
 
@@ -23,6 +23,8 @@ class LoaderFacts:
     shm_free_bytes: int | None
     world_size: int = 1
     reads_positions: bool = False  # a stream that builds only the items asked for (dlpipe.data.shards)
+    stream_buffer_bytes: int = 0  # what one reader of a stream holds at once (a shuffle window)
+    ram_available: int | None = None  # hardware.memory_available_bytes(), for a stream's buffers
 
 
 def _mb(n: int) -> str:
@@ -67,7 +69,7 @@ def lint_loader(loader: LoaderConfig, epochs: int, facts: LoaderFacts) -> list[s
                    "free (Docker's default is 64 MB): workers may die with a bus error; raise --shm-size or "
                    "lower loader.num_workers, loader.prefetch_factor or loader.batch_size")
     if facts.train_size is None:
-        return out + _lint_stream(loader, facts.reads_positions)
+        return out + _lint_stream(loader, facts.reads_positions) + _lint_stream_memory(loader, facts)
     per_rank = facts.train_size // max(facts.world_size, 1)
     if facts.world_size > 1 and facts.train_size % facts.world_size:
         out.append(f"{facts.train_size} training samples over {facts.world_size} ranks: each epoch repeats "
@@ -90,12 +92,28 @@ def _lint_stream(loader: LoaderConfig, reads_positions: bool) -> list[str]:
     return []
 
 
+def _lint_stream_memory(loader: LoaderConfig, facts: LoaderFacts) -> list[str]:
+    """A stream's readers (each worker, or the main process) each hold a shuffle window: with the
+    batches in flight, more than the memory the loader may take here (policy.RAM_SHARE)."""
+    if not facts.stream_buffer_bytes or facts.ram_available is None:
+        return []
+    readers = max(loader.num_workers, 1)
+    inflight = policy.inflight_bytes(loader.num_workers, loader.prefetch_factor, facts.batch_bytes)
+    if not policy.ram_overflow(readers * facts.stream_buffer_bytes, inflight, facts.ram_available):
+        return []
+    return [f"{readers} reader(s) of the stream each hold its shuffle window of {_mb(facts.stream_buffer_bytes)} "
+            f"({_mb(readers * facts.stream_buffer_bytes + inflight)} with the batches in flight), over "
+            f"{policy.RAM_SHARE:.0%} of the {_mb(facts.ram_available)} of memory available: the out-of-memory killer "
+            "would end them; lower dataset.shuffle_buffer or loader.num_workers"]
+
+
 def lint_job(cfg: DlpipeConfig, train_size: int | None, batch_bytes: int, cpu_budget: int,
-             reads_positions: bool = False) -> list[str]:
-    """The lint for a job's config on this machine; `reads_positions`: see LoaderFacts."""
+             reads_positions: bool = False, stream_buffer_bytes: int = 0) -> list[str]:
+    """The lint for a job's config on this machine; `reads_positions`, `stream_buffer_bytes`: see LoaderFacts."""
     facts = LoaderFacts(
         cpu_budget=cpu_budget, cuda=cfg.trainer.device.startswith("cuda"), train_size=train_size,
         batch_bytes=batch_bytes, shm_free_bytes=shm_free_bytes(), world_size=world_size(),
-        reads_positions=reads_positions,
+        reads_positions=reads_positions, stream_buffer_bytes=stream_buffer_bytes,
+        ram_available=memory_available_bytes() if stream_buffer_bytes else None,
     )
     return lint_loader(cfg.loader, cfg.trainer.epochs, facts)

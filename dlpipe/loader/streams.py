@@ -45,6 +45,12 @@ def size_of(dataset: Dataset) -> int | None:
     return None if is_stream(dataset) else len(dataset)  # type: ignore[arg-type]
 
 
+def buffer_bytes(dataset: Dataset) -> int:
+    """What one reader of a stream holds at once (its `buffer_bytes()`: a shuffle window), or 0."""
+    stream = unwrapped(dataset)
+    return int(stream.buffer_bytes()) if is_stream(stream) and callable(getattr(stream, "buffer_bytes", None)) else 0
+
+
 def reads_positions(dataset: Dataset) -> bool:
     """Whether the dataset is a stream that builds only the items of the positions asked for
     (`read_positions`, dlpipe.data.shards.ShardedStream) and counts them (`num_rows`)."""

@@ -18,7 +18,7 @@ from dlpipe.loader import policy
 from dlpipe.loader.build import EpochOrder
 from dlpipe.loader.fitting import build_loaders, fit_loader_to_data, loader_notes
 from dlpipe.loader.lint import lint_job
-from dlpipe.loader.streams import reads_positions, size_of
+from dlpipe.loader.streams import buffer_bytes, reads_positions, size_of
 from dlpipe.machine import hardware
 from dlpipe.redact import redact_overrides
 from dlpipe.schema import DlpipeConfig, LoaderConfig
@@ -42,7 +42,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> None:
     decided.update(fitted)
     plans = build_loaders(cfg, train_set, val_set, world=world)
     budget = hardware.cpu_budget().budget
-    lint = lint_job(cfg, size_of(train_set), plans[0].batch_bytes, budget, reads_positions(train_set))
+    lint = lint_job(cfg, size_of(train_set), plans[0].batch_bytes, budget, reads_positions(train_set),
+                    buffer_bytes(train_set))
     if ranks_from_env().is_main:  # trainer.devices=N plans as N torchrun ranks (each rank's share): said once
         print(report(ctx, raw, cfg, decided, plans, lint, size_of(train_set)), flush=True)
         for line in measured_lines(cfg, budget):
