@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
 
 from dlpipe.loader import policy
+from dlpipe.loader.collate import collate_first
 from dlpipe.loader.fetch import BatchGather, EpochBatches, fetch_mode, gather_for, unwrapped
 from dlpipe.loader.streams import StreamShare, is_stream
 from dlpipe.loader.threads import ThreadLoader, worker_method_of
@@ -123,7 +124,7 @@ def stream_batch_bytes(stream: IterableDataset, batch_size: int, collate_fn: Cal
     items = list(itertools.islice(stream, min(batch_size, ESTIMATE_ITEMS)))
     if not items:
         return 0
-    return _nbytes((collate_fn or default_collate)(items)) * batch_size // len(items)
+    return _nbytes(collate_first(items, collate_fn, "the stream's items")) * batch_size // len(items)
 
 
 def _nbytes(obj) -> int:

@@ -2,7 +2,8 @@
 
 PyTorch's default_collate stacks, so items of different lengths fail with "stack expects each
 tensor to be equal size". PadSequences pads them to the longest in the batch instead and says
-which positions are real.
+which positions are real. `collate_first` collates a split's first items before anything is
+tracked, so items that do not collate are one line with that fix, not a traceback.
 """
 
 from dataclasses import dataclass
@@ -11,6 +12,19 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
+
+from dlpipe.loader.faults import SampleError
+
+
+def collate_first(items: list, collate_fn=None, what: str = "dataset items"):
+    """`collate_fn` (None: default_collate) of a split's first items; items it cannot put into one
+    batch are a SampleError naming the fix (one line, exit 2, before anything is tracked)."""
+    try:
+        return (collate_fn or default_collate)(items)
+    except (TypeError, RuntimeError) as e:
+        raise SampleError(f"{what} 0-{len(items) - 1} do not collate into a batch ({type(e).__name__}: {e}); "
+                          "variable-length items need loader.collate_fn (e.g. dlpipe.loader.collate.PadSequences)"
+                          ) from e
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,14 @@ step, because the best worker count depends on how many cores the step itself ta
 import time
 from dataclasses import dataclass
 
+from torch.utils.data import IterableDataset
+
 from dlpipe.training.batches import batch_samples
 
 
 class _Batches:
-    """Batches of `loader` across epochs, calling the sampler's set_epoch like the trainer does."""
+    """Batches of `loader` across epochs, calling the sampler's (or the stream's) set_epoch like the
+    trainer does."""
 
     def __init__(self, loader):
         self.loader, self.epoch, self._it = loader, 0, None
@@ -24,6 +27,9 @@ class _Batches:
                 self.epoch += 1
                 if hasattr(self.loader.sampler, "set_epoch"):
                     self.loader.sampler.set_epoch(self.epoch)
+                elif isinstance(getattr(self.loader, "dataset", None), IterableDataset) and \
+                        hasattr(self.loader.dataset, "set_epoch"):
+                    self.loader.dataset.set_epoch(self.epoch)  # a stream orders itself by the epoch
                 self._it = iter(self.loader)
             try:
                 return next(self._it)

@@ -12,12 +12,13 @@ import itertools
 import logging
 
 import torch
-from torch.utils.data import Subset, default_collate
+from torch.utils.data import Subset
 
 from dlpipe.config.targets import DATASET_ALLOWED, locate, not_a_dataset, stream_split_refused
 from dlpipe.errors import ConfigError, DlpipeError
 from dlpipe.instantiate import instantiate_group
-from dlpipe.loader.faults import NamedErrors, SampleError
+from dlpipe.loader.collate import collate_first
+from dlpipe.loader.faults import NamedErrors
 from dlpipe.loader.split import train_val_split
 from dlpipe.loader.streams import StreamShare, is_stream
 from dlpipe.schema import SCHEDULER_DEFAULT_INTERVAL, DlpipeConfig
@@ -177,12 +178,7 @@ def build_objective(cfg: DlpipeConfig):
 def check_objective(cfg: DlpipeConfig, objective, model, train_set, collate_fn=None):
     """Two real samples through the model and the loss, before anything is tracked: a sample the
     loss cannot use is one line naming the field. Returns the model's predictions for them."""
-    items = first_items(train_set, 2)
-    try:
-        batch = (collate_fn or default_collate)(items)
-    except (TypeError, RuntimeError) as e:
-        raise SampleError(f"dataset items 0-1 do not collate into a batch ({type(e).__name__}: {e}); variable-length "
-                          "items need loader.collate_fn (e.g. dlpipe.loader.collate.PadSequences)") from e
+    batch = collate_first(first_items(train_set, 2), collate_fn)
     try:
         return objective.check(model, batch, f"loss._target_={cfg.loss.get('_target_')}")
     except DlpipeError:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from dlpipe.errors import ConfigError, DlpipeError
+from dlpipe.errors import DlpipeError
 from dlpipe.judging.evidence import bench_mode, measurement_file
 from dlpipe.loader import policy, worker_method
 from dlpipe.loader.build import NORMALISED, normalise
@@ -23,6 +23,7 @@ from dlpipe.loader.fetch import find_gather
 from dlpipe.loader.fitting import build_collate, loader_settings
 from dlpipe.loader.measure import describe
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard
+from dlpipe.loader.stream_fit import fit_stream
 from dlpipe.loader.streams import is_stream
 from dlpipe.machine import hardware
 from dlpipe.machine.disk import write_atomic, write_failure
@@ -34,6 +35,7 @@ from dlpipe.tasks.params import config_params, settings_params
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.tracking_run import open_run, run_tags
 from dlpipe.tracking.run import MlflowRun
+from dlpipe.training.accumulation import epoch_batches
 
 log = logging.getLogger("dlpipe")
 
@@ -41,14 +43,13 @@ log = logging.getLogger("dlpipe")
 def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     """Search, write OUTPUT_DIR/loader/NAME.yaml, log every trial; returns the best samples/s."""
     job = prepare_measurement(ctx, raw, resolved)
-    if is_stream(job.train_set):  # before the tracking run: nothing is made
-        raise ConfigError([f"dlpipe tune: dataset._target_={job.cfg.dataset['_target_']} is a stream; the search "
-                           "runs on map datasets for now: compare a stream's loader settings with `dlpipe bench "
-                           "--multirun ... loader.num_workers=0,2,4`"])
     cfg, plan, budget, sampler = job.cfg, job.plan, job.budget, job.sampler
+    if is_stream(job.train_set):  # before the tracking run: a stream that cannot be shared out is one line
+        cfg.loader = dataclasses.replace(cfg.loader, stream_share=share_among_workers(cfg.loader, job.train_set))
     bench, cuda = cfg.bench, cfg.trainer.device.startswith("cuda")
     max_workers = bench.max_workers if bench.max_workers is not None else budget.budget + max(2, budget.budget // 2)
-    crosses_epochs = bench.warmup_batches + bench.batches > len(plan.loader)
+    batches = epoch_batches(plan.loader, -1)  # None: a stream without a length
+    crosses_epochs = batches is not None and bench.warmup_batches + bench.batches > batches
     start = start_candidate(plan)
     tags = run_tags(ctx, **{"dlpipe.task": "tune"})
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
@@ -60,7 +61,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
         search = Search(evaluate, bench.min_gain, max_workers,
                         tune_persistent=crosses_epochs and cfg.trainer.epochs > 1, tune_pin=cuda,
                         seed_workers=hardware.recommended_workers(budget.budget),
-                        persist=automatic_persistence(raw, cfg, len(job.train_set)),
+                        persist=automatic_persistence(raw, cfg, job.train_set),
                         **dataset_options(cfg, job.train_set))
         started = time.perf_counter()
         sampler.start()
@@ -73,7 +74,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
             sampler.stop()
         result = TuneResult(list(search.trials.values()), search.trials[best], search.trials[start],
                             time.perf_counter() - started, search.threshold)
-        save_result(ctx, cfg, budget, result, parent)
+        save_result(ctx, cfg, budget, result, parent, {"stream_share": raw["loader"].get("stream_share", "auto")})
     print(result.table(), flush=True)
     print(f"tuned: {best.label()}: {result.best.samples_per_s:.1f} samples/s, {result.speedup:.2f}x "
           f"the automatic config, {len(result.trials)} trials in {result.seconds:.0f} s", flush=True)
@@ -101,21 +102,36 @@ def start_candidate(plan) -> Candidate:
                      loader.persistent_workers, bool(loader.pin_memory), plan.fetch, plan.worker_method)
 
 
+def share_among_workers(loader, stream) -> str:
+    """loader.stream_share for the candidates with workers: the job's, unless it was decided for no
+    workers (the main process reads a stream once either way), then decided as for workers
+    (loader.stream_fit): a candidate must read each sample once an epoch, or it measures duplicates."""
+    if loader.num_workers or loader.stream_share == "source":
+        return loader.stream_share
+    fitted, _ = fit_stream({"num_workers": 2, "prefetch_factor": 2, "persistent_workers": False},
+                           dataclasses.replace(loader, num_workers=2, stream_share="auto"), stream, 1, 1)
+    return fitted.stream_share
+
+
 def dataset_options(cfg: DlpipeConfig, train_set) -> dict[str, bool]:
     """What the dataset allows the search: whole-batch gathers (loader.fetch=batch) where they equal
-    its per-item collate, threads unless it draws from the global RNGs (loader.worker_method)."""
-    if not len(train_set):
+    its per-item collate, threads unless it draws from the global RNGs (loader.worker_method). A
+    stream allows neither: it is read item by item, by worker processes, each with its own reader."""
+    if is_stream(train_set) or not len(train_set):
         return {"gathers": False, "tune_threads": False}
     how, _ = find_gather(train_set, build_collate(cfg.loader))
     return {"gathers": how is not None, "tune_threads": worker_method.global_draws(train_set) is None}
 
 
-def automatic_persistence(raw: dict, cfg: DlpipeConfig, train_size: int):
+def automatic_persistence(raw: dict, cfg: DlpipeConfig, train_set):
     """persistent_workers for a worker count by the job's own rule (loader.policy) when the config
-    leaves it automatic, so the written file never holds a value the lint would then question."""
+    leaves it automatic, so the written file never holds a value the lint would then question. A
+    stream's workers start anew each epoch (its set_epoch reaches them only then: loader.build)."""
+    if is_stream(train_set):
+        return lambda workers: False
     if not policy.is_auto(raw["loader"]["persistent_workers"], "auto_persistent"):
         return None
-    batches = policy.batches_per_epoch(train_size, cfg.loader.batch_size, 1, cfg.loader.drop_last)
+    batches = policy.batches_per_epoch(len(train_set), cfg.loader.batch_size, 1, cfg.loader.drop_last)
     return lambda workers: policy.persist_workers(workers, cfg.trainer.epochs, batches)[0]
 
 
@@ -178,13 +194,15 @@ class TuneResult:
         return trial_table(self.trials, self.best.candidate)
 
 
-def save_result(ctx: JobContext, cfg: DlpipeConfig, budget, result: TuneResult, parent) -> None:
+def save_result(ctx: JobContext, cfg: DlpipeConfig, budget, result: TuneResult, parent, kept: dict) -> None:
     """The tuned loader config and the trial table into the parent run first (tune/NAME.yaml,
     tune/trials.md, metrics and tags), then as files: OUTPUT_DIR/loader/NAME.yaml, a copy and the
-    table in the job's folder. A file that cannot be written (a full disk) fails the job in one line
-    naming it, after the config is printed: the search's result is never lost."""
+    table in the job's folder. `kept`: values written as the config gave them (a stream's share is
+    decided again by the job that uses the file). A file that cannot be written (a full disk) fails
+    the job in one line naming it, after the config is printed: the search's result is never lost."""
     bench = cfg.bench
-    loader = {**dataclasses.asdict(cfg.loader), "tuned_on": f"cpu_budget={budget.budget} host={socket.gethostname()}"}
+    loader = {**dataclasses.asdict(cfg.loader), **kept,
+              "tuned_on": f"cpu_budget={budget.budget} host={socket.gethostname()}"}
     text = header(cfg, budget, result) + yaml.safe_dump({**loader, **result.best.candidate.settings()},
                                                         sort_keys=False)
     table = result.table()
