@@ -17,4 +17,6 @@ def instantiate_group(group: str, node: dict, **extra):
         raise
     except Exception as e:  # a user's class may raise anything: name the group and target
         cause = e.__cause__ or e  # Hydra wraps the constructor's exception
+        if isinstance(cause, DlpipeError):  # dlpipe's own classes say their line, naming the key, already
+            raise cause from None
         raise ConfigError([f"{group}._target_={node.get('_target_')}: {type(cause).__name__}: {cause}"]) from e
