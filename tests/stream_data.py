@@ -99,3 +99,31 @@ class SignalsItselfParquet(SyntheticTabularParquet):
                 if self.built == self.at:
                     signal_once(self.marker, group=True)
             yield item
+
+
+class Ragged(Rows):
+    """Rows whose feature vectors grow with the row number: PyTorch's default collate cannot stack them."""
+
+    def row(self, i: int):
+        return torch.arange(float(1 + i % 3)), i % self.num_classes
+
+
+class SplitsByRank(Rows):
+    """Splits itself between ranks (by torchrun's RANK and WORLD_SIZE, as Hugging Face's
+    split_dataset_by_node does) and then among its DataLoader workers, unevenly: rank 0 reads the
+    first `first` rows, the other ranks share the rest; each rank's workers take every Nth of its rows."""
+
+    def __init__(self, first: int = 30, **kwargs):
+        super().__init__(**kwargs)
+        self.first = first
+
+    def __iter__(self):
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            mine = range(self.size)
+        else:
+            mine = range(self.first) if rank == 0 else range(self.first + rank - 1, self.size, world - 1)
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        for i in mine[worker::workers]:
+            yield self.row(i)

@@ -2,6 +2,7 @@
 with real worker processes, and dlpipe's share of one that does not: every sample once an epoch."""
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from stream_data import Noise, Rows, SharedOut
 from torch.utils.data import DataLoader
 
 from dlpipe.data.tabular import TabularDataset
-from dlpipe.errors import ConfigError, DataError
+from dlpipe.errors import ConfigError
 from dlpipe.loader.build import build_loader
 from dlpipe.loader.faults import NamedErrors
 from dlpipe.loader.stream_fit import fit_stream
@@ -128,7 +129,7 @@ def test_cheap_stream_items_take_no_workers_and_a_set_share_stands():
     assert "loader.stream_share" not in reasons
 
 
-def test_a_stream_whose_share_cannot_be_measured_or_that_several_ranks_train_is_one_line():
+def test_a_stream_whose_share_cannot_be_measured_or_that_shares_itself_out_on_several_ranks_is_one_line():
     asked = LoaderConfig(batch_size=8, num_workers=2, prefetch_factor=2)
     with pytest.raises(ConfigError) as e:
         fit_stream(RAW_SET, asked, Noise(), world=1, epochs=2)
@@ -136,8 +137,15 @@ def test_a_stream_whose_share_cannot_be_measured_or_that_several_ranks_train_is_
         "loader.stream_share=auto: cannot tell whether the stream shares itself out among workers (its first items "
         "differ between two passes in this process); set loader.stream_share=source (it does, by get_worker_info()) "
         "or loader.stream_share=dlpipe (each worker keeps every Nth item)"]
-    with pytest.raises(DataError, match=r"^the dataset is a stream \(Rows, an IterableDataset\) and 2 ranks train it"):
-        fit_stream(RAW_SET, asked, Rows(), world=2, epochs=2)
+    with pytest.raises(ConfigError) as e:  # it may split itself between ranks too: dlpipe cannot tell
+        fit_stream(RAW_SET, asked, SharedOut(), world=2, epochs=2)
+    assert e.value.problems[0].startswith("loader.stream_share=auto: 2 workers yielded different items (the stream "
+                                          "shares itself out by get_worker_info()) and 2 ranks train it: ")
+    # Without workers too: the probe says whether dlpipe's dealing would split a stream split already.
+    for workers, keeps in ((2, "each of the 2 workers of each of the 2 ranks keeps every 4th batch"),
+                           (0, "each of the 2 ranks keeps every 2nd batch")):
+        fitted, reasons = fit_stream(RAW_SET, replace(asked, num_workers=workers), Rows(), world=2, epochs=2)
+        assert fitted.stream_share == "dlpipe" and keeps in reasons["loader.stream_share"]
 
 
 def test_workers_of_a_stream_that_reorders_by_epoch_start_anew_each_epoch():

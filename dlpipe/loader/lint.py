@@ -69,7 +69,7 @@ def lint_loader(loader: LoaderConfig, epochs: int, facts: LoaderFacts) -> list[s
                    "free (Docker's default is 64 MB): workers may die with a bus error; raise --shm-size or "
                    "lower loader.num_workers, loader.prefetch_factor or loader.batch_size")
     if facts.train_size is None:
-        return out + _lint_stream(loader, facts.reads_positions) + _lint_stream_memory(loader, facts)
+        return out + _lint_stream(loader, facts.reads_positions, facts.world_size) + _lint_stream_memory(loader, facts)
     per_rank = facts.train_size // max(facts.world_size, 1)
     if facts.world_size > 1 and facts.train_size % facts.world_size:
         out.append(f"{facts.train_size} training samples over {facts.world_size} ranks: each epoch repeats "
@@ -81,15 +81,22 @@ def lint_loader(loader: LoaderConfig, epochs: int, facts: LoaderFacts) -> list[s
     return out
 
 
-def _lint_stream(loader: LoaderConfig, reads_positions: bool) -> list[str]:
+def _lint_stream(loader: LoaderConfig, reads_positions: bool, world: int = 1) -> list[str]:
     """A stream dlpipe shares out: every worker reads all of it, to keep its share (unless the stream
-    builds only the items asked for)."""
-    workers = loader.num_workers
+    builds only the items asked for). A stream that splits itself between ranks: they end the epoch
+    with the shortest share (dlpipe.training.stream_ranks)."""
+    workers, out = loader.num_workers, []
     if workers > 1 and loader.stream_share == "dlpipe" and not reads_positions:
-        return [f"loader.stream_share=dlpipe: each of the {workers} workers reads the whole stream and keeps "
-                f"1/{workers} of it, so the stream is read {workers} times an epoch; share it out at the source "
-                "(each worker reads its own files or rows by torch.utils.data.get_worker_info()) to read it once"]
-    return []
+        out.append(f"loader.stream_share=dlpipe: each of the {workers} workers reads the whole stream and keeps "
+                   f"1/{workers} of it, so the stream is read {workers} times an epoch; share it out at the source "
+                   "(each worker reads its own files or rows by torch.utils.data.get_worker_info()) to read it once")
+    if world > 1 and loader.stream_share == "source":
+        out.append(f"loader.stream_share=source with {world} ranks: the stream is trusted to split itself between "
+                   "them (e.g. split_dataset_by_node); the ranks agree before every batch that each has one (an "
+                   "all-reduce) and the epoch ends for all when one runs out, so the batches the others still hold "
+                   "are not trained on that epoch (one per rank where items are split round-robin, more where "
+                   "whole files are); loader.stream_share=dlpipe deals every rank the same batches and loses none")
+    return out
 
 
 def _lint_stream_memory(loader: LoaderConfig, facts: LoaderFacts) -> list[str]:

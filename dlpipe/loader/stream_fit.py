@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from torch.utils.data import IterableDataset, default_collate
 
-from dlpipe.errors import ConfigError, DataError
+from dlpipe.errors import ConfigError
 from dlpipe.loader import policy
 from dlpipe.loader.decisions import prefetch, workers_for_data
 from dlpipe.loader.streams import reads_positions, shares_itself
@@ -51,9 +51,6 @@ def stream_item_seconds(stream: IterableDataset, batch_size: int, collate_fn=Non
 def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, world: int, epochs: int,
                collate_fn=None) -> tuple[LoaderConfig, dict[str, str]]:
     """fit_loader_to_data for a stream: (the loader settings, the reason for each value decided here)."""
-    if world > 1:
-        raise DataError(f"the dataset is a stream ({type(stream).__name__}, an IterableDataset) and {world} ranks "
-                        "train it: streams train in one process for now (trainer.devices=1, no torchrun)")
     reasons = {}
     if loader.shuffle:  # said once, as a decision: a stream with its own shuffle buffer is configured right
         reasons["loader.shuffle"] = ("False (a stream is read in its own order: it shuffles itself, e.g. a "
@@ -82,37 +79,61 @@ def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, 
         reasons["loader.worker_method"] = ("process (auto: a stream: each worker process reads its own copy; "
                                            "threads would share one reader)")
         loader = replace(loader, worker_method="process")
-    return _share(loader, stream, reasons), reasons
+    return _share(loader, stream, reasons, world), reasons
 
 
-def _share(loader: LoaderConfig, stream: IterableDataset, reasons: dict[str, str]) -> LoaderConfig:
-    """loader.stream_share=auto decided by the probe: `dlpipe` (each worker keeps every Nth item) for a
-    stream that yields all its items to every worker, `source` for one that shares itself out."""
+def _share(loader: LoaderConfig, stream: IterableDataset, reasons: dict[str, str], world: int = 1) -> LoaderConfig:
+    """loader.stream_share=auto decided by the probe: `dlpipe` (whole batches dealt to each rank and,
+    within it, to each worker) for a stream that yields all its items to every worker, `source` for
+    one that shares itself out. With several ranks a stream that shares itself out is refused
+    (_refuse_ranks): dlpipe cannot tell whether it also splits itself between the ranks."""
     if loader.stream_share != "auto":
         return loader
-    if not loader.num_workers:
+    if not loader.num_workers and world == 1:
         reasons["loader.stream_share"] = ("dlpipe (auto: no workers: the main process reads the stream once and "
                                           "dlpipe batches it in its order)")
         return replace(loader, stream_share="dlpipe")
     if reads_positions(stream):
         reasons["loader.stream_share"] = (f"dlpipe (auto: {type(stream).__name__} reads any position of its epoch: "
-                                          f"dlpipe deals whole batches to the {loader.num_workers} workers, each "
-                                          "building only its own, in an order that does not depend on them)")
+                                          f"dlpipe deals whole batches to the {_readers(loader.num_workers, world)}, "
+                                          "each building only its own, in an order that does not depend on them)")
         return replace(loader, stream_share="dlpipe")
+    # With several ranks the probe runs even without workers: a stream that shares itself out among
+    # workers is likely to split itself between ranks too, which dlpipe's dealing would split again.
     shares, why = shares_itself(stream, loader.multiprocessing_context, PROBE_TIMEOUT_S)
     if shares is None:
         raise ConfigError([f"loader.stream_share=auto: cannot tell whether the stream shares itself out among "
                            f"workers ({why}); set loader.stream_share=source (it does, by get_worker_info()) or "
                            "loader.stream_share=dlpipe (each worker keeps every Nth item)"])
+    if shares and world > 1:
+        raise ConfigError([_refuse_ranks(why, world)])
     if shares:
         reasons["loader.stream_share"] = f"source (auto: {why})"
         return replace(loader, stream_share="source")
     n = loader.num_workers
+    readers = _readers(n, world)
     reasons["loader.stream_share"] = (
-        f"dlpipe (auto: {why}: each of the {n} workers keeps every {_ordinal(n)} batch, so each sample comes once an "
-        f"epoch; each worker still reads the whole stream: share it out at the source with get_worker_info() "
-        f"to read 1/{n} each)")
+        f"dlpipe (auto: {why}: each of the {readers} keeps every {_ordinal(max(n, 1) * world)} batch, so each sample "
+        f"comes once an epoch; each {'worker' if n else 'rank'} still reads the whole stream"
+        + (f": share it out at the source with get_worker_info() to read 1/{n} each)" if n else ")"))
     return replace(loader, stream_share="dlpipe")
+
+
+def _readers(workers: int, world: int) -> str:
+    """Who dlpipe deals a stream's batches to: '2 workers', '2 ranks', '2 workers of each of the 2 ranks'."""
+    if world == 1:
+        return f"{workers} workers"
+    return f"{workers} workers of each of the {world} ranks" if workers else f"{world} ranks"
+
+
+def _refuse_ranks(why: str, world: int) -> str:
+    """The one line for loader.stream_share=auto on a stream that shares itself out, under several ranks."""
+    return (f"loader.stream_share=auto: {why} and {world} ranks train it: dlpipe cannot split such a stream "
+            "between the ranks, nor tell whether it splits itself between them too; set "
+            "loader.stream_share=source if it does (e.g. Hugging Face's split_dataset_by_node; the epoch ends for "
+            "every rank when one runs out of batches), or loader.stream_share=dlpipe with loader.num_workers=0 if it "
+            "does not (each rank reads it whole and dlpipe deals its batches; with workers, each would deal from its "
+            "own share only and lose the rest)")
 
 
 def _ordinal(n: int) -> str:

@@ -46,16 +46,19 @@ class Window:
     def full(self) -> bool:
         return self.micro == self.accumulate
 
-    def mean_over_samples(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the accumulated gradients the mean over the samples this window got."""
-        if self.samples != self.nominal:
+    def mean_over_samples(self, optimizer: torch.optim.Optimizer, job: tuple[int, int] | None = None) -> None:
+        """Make the accumulated gradients the mean over the samples this window got; `job`: (its
+        samples on all ranks, the ranks), where DDP averaged gradients of windows that may differ
+        (training.stream_ranks): then every rank scales by the same factor."""
+        samples, nominal = (self.samples, self.nominal) if job is None else (job[0], self.nominal * job[1])
+        if samples != nominal:
             # Partial window (end of epoch, short last batch): the per-micro-batch shares summed to
             # samples / nominal; rescale so the update is the mean over the samples seen.
             # (Scaling the still loss-scaled fp16 gradients is fine: the scaler divides later.)
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        p.grad.mul_(self.nominal / self.samples)
+                        p.grad.mul_(nominal / samples)
 
     def clear(self) -> None:
         """The optimizer stepped: the next micro-batch starts a new window."""

@@ -30,6 +30,7 @@ from dlpipe.training.objective import Objective
 from dlpipe.training.protocols import MetricSink, NoMetrics, Peers
 from dlpipe.training.schedule import Schedule, current_lrs, lr_metrics
 from dlpipe.training.step_log import LossSum, StepLog, gradient_norm
+from dlpipe.training.stream_ranks import StreamRanks
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.callbacks = callbacks or Callbacks()
         self.stopped_early: str | None = None  # why a callback ended training (the run still FINISHES)
+        self.stream_ranks = StreamRanks()  # a stream's epoch on several ranks (training.stream_ranks)
 
     def request_stop(self, reason: str) -> None:
         """End training at the next optimizer step; the epoch is still scored, logged and saved."""
@@ -171,9 +173,10 @@ class Trainer:
         non_blocking = non_blocking_copies(self.device, loader)
         window = Window(s.accumulate, getattr(loader, "batch_size", None))
         sums = (self.epoch_loss, self.step_log.pending)  # on the device: no sync per step
+        self.stream_ranks = ranks = StreamRanks.of(loader, self.peers)
         while total is None or done < total:
             batch = self._next_batch(iterator, window.micro > 0, done)
-            if batch is _END:
+            if not ranks.all_have(batch is not _END, self.stop, done):  # the end; on ranks, any one's
                 break
             clock.waited()
             batch = self._to_device(batch, non_blocking, clock)
@@ -206,6 +209,7 @@ class Trainer:
                 self.stop.at_batch = done  # at an optimizer step: no half-accumulated gradients
                 break
         if window.micro:  # ended mid-window (the loader ran short of `total`, or has no length): step on it too
+            ranks.cut_short(self.model)  # a stream's on several ranks: its gradients are not averaged yet
             self._optimizer_step(window)
         self.guard.check(self.step_log.pending, self.step, self.optimizer, self.peers)
         # (The StopIteration that ends an epoch is where non-persistent workers are joined: that
@@ -283,7 +287,7 @@ class Trainer:
         if self.device.type == "cuda":
             stats["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
             stats["cuda_reserved_mb"] = torch.cuda.memory_reserved(self.device) / 2**20
-        stats["train_loss"] = self.epoch_loss.mean()  # one sync per epoch; the whole epoch's, resumed or not
+        stats["train_loss"] = self.stream_ranks.mean_loss(self.epoch_loss)  # a sync an epoch; resumed or not
         if self.guard.window is not None:
             stats["skipped_steps"] = float(self.guard.skipped)
         progress.close(done, stats["samples_per_s"], stats["data_wait_frac"])
@@ -329,7 +333,7 @@ class Trainer:
 
     def _update(self, window: Window, logged: bool) -> torch.Tensor | None:
         """optimizer.step on the window's mean gradients, clipped; returns their norm when measured."""
-        window.mean_over_samples(self.optimizer)  # before clipping: a partial window clips its mean too
+        window.mean_over_samples(self.optimizer, self.stream_ranks.job_window(window.samples))  # then clipped
         norm = None
         if self.settings.grad_clip > 0 or logged:
             # Clip and measure the true gradients, not fp16's scaled ones (step() then skips its unscale).
