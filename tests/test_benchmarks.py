@@ -241,3 +241,41 @@ def test_loader_backends_runs_and_writes_its_report(tmp_path):
     assert summary == ["rows", "jpeg+python"]
     for name in ("rows", "jpeg+python"):
         assert f"- {name}: auto " in text and "(goal >= 0.97: " in text and "of the grid (goal <= 0.33: " in text
+
+
+def test_loader_backends_measures_the_streams_and_the_naive_loader(tmp_path):
+    # The two stream pipelines at tiny sizes, their files written under tmp_path: about 6 s on 2 CPUs. A stream's
+    # grid has neither threads nor persistent workers: 0 workers + 1 worker x prefetch 2,4.
+    out = tmp_path / "streams.md"
+    r = run(["-m", "benchmarks.loader_backends", "--rounds", "1", "--held-out", "1", "--repeats", "1", "--workers", "1",
+             "--parquet-rows", "256", "--images", "32", "--image-size", "16", "--shard-size", "16", "--warmup", "1",
+             "--naive-workers", "2", "--pipelines", "parquet,jpeg-shards", "--data-dir", str(tmp_path / "data"),
+             "--out", str(out)], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert text in r.stdout
+    assert "### parquet: SyntheticTabularParquet 256 x 32" in text
+    assert "### jpeg-shards: SyntheticJPEGShards 32 images of 16 px in tars of 16" in text
+    assert text.count("grid of 3 configs (a stream dealt by stream_share=dlpipe") == 2
+    assert list((tmp_path / "data").iterdir())  # the streams' files went where they were told
+    configs = [row for row in table_rows(text) if row[0].startswith(("oracle", "auto", "tune", "PyTorch", "Lightning",
+                                                                     "best", "naive"))]
+    assert [row[0].split(":")[0] for row in configs] == [
+        "oracle (best of the grid)", "auto (loader=auto)", "tune (dlpipe tune)", "PyTorch default",
+        "Lightning's suggestion", "best process config", "best thread config",
+        "naive (rows delivered, duplicates included)"] * 2
+    assert all("worker_method=thread" not in row[0] and "persistent_workers=true" not in row[0] for row in configs)
+    naive = configs[7::8]
+    assert all(row[0].endswith("plain DataLoader(num_workers=2) on the unsharded stream") for row in naive)
+    assert all(row[1] == "-" and float(row[2]) > 0 for row in naive)  # measured in the held-out rounds only
+    # every row twice with 2 workers that do not share the stream out; dlpipe's loader once
+    assert "one epoch delivered 512 rows, 256 of them distinct: 2.0x the epoch's rows delivered: " \
+           "1.0 duplicates per row" in text
+    assert "one epoch delivered 64 rows, 32 of them distinct: 2.0x" in text
+    assert text.count("rows delivered, 256 distinct (1.0x)") == 1 and text.count(" 32 distinct (1.0x)") == 1
+    summary = text.split("### summary")[1]
+    assert [row[0] for row in table_rows(summary)[2:4]] == ["parquet", "jpeg-shards"]
+    assert [row[:4] for row in table_rows(summary)[6:]] == [["parquet", "2", "2.0x", "1.0"],
+                                                             ["jpeg-shards", "2", "2.0x", "1.0"]]
+    for name in ("parquet", "jpeg-shards"):
+        assert f"- {name}: auto " in summary and "(goal >= 0.97: " in summary
