@@ -15,6 +15,7 @@ from torch.utils.data import IterableDataset, default_collate
 
 from dlpipe.errors import ConfigError
 from dlpipe.loader import policy
+from dlpipe.loader.collate import collate_first
 from dlpipe.loader.decisions import prefetch, workers_for_data
 from dlpipe.loader.streams import reads_positions, shares_itself
 from dlpipe.schema import LoaderConfig
@@ -33,7 +34,7 @@ def stream_item_seconds(stream: IterableDataset, batch_size: int, collate_fn=Non
     warm = list(itertools.islice(items, max(batch_size, 2)))
     if not warm:
         return None
-    collate(warm)
+    collate_first(warm, collate_fn, "the stream's items")  # items that do not collate: one line, said here
     batch, count, started = [], 0, time.perf_counter()
     for item in items:
         batch.append(item)
@@ -80,6 +81,13 @@ def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, 
                                            "threads would share one reader)")
         loader = replace(loader, worker_method="process")
     return _share(loader, stream, reasons, world), reasons
+
+
+def validation_share(loader: LoaderConfig, stream: IterableDataset, world: int) -> str:
+    """loader.stream_share for a val_dataset stream, decided on it as for the training stream
+    (loader.stream_share names the training stream's): another stream may share itself out where
+    the training stream does not, and dealing it again would score only a part of it."""
+    return _share(replace(loader, stream_share="auto"), stream, {}, world).stream_share
 
 
 def _share(loader: LoaderConfig, stream: IterableDataset, reasons: dict[str, str], world: int = 1) -> LoaderConfig:

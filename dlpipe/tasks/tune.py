@@ -49,7 +49,9 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     bench, cuda = cfg.bench, cfg.trainer.device.startswith("cuda")
     max_workers = bench.max_workers if bench.max_workers is not None else budget.budget + max(2, budget.budget // 2)
     batches = epoch_batches(plan.loader, -1)  # None: a stream without a length
-    crosses_epochs = batches is not None and bench.warmup_batches + bench.batches > batches
+    # (a stream's workers start anew each epoch, persistent or not: loader.build)
+    crosses_epochs = batches is not None and bench.warmup_batches + bench.batches > batches \
+        and not is_stream(job.train_set)
     start = start_candidate(plan)
     tags = run_tags(ctx, **{"dlpipe.task": "tune"})
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
