@@ -105,3 +105,46 @@ def test_ctrl_c_ends_the_started_workers_before_it_leaves_the_measurement(monkey
     del stopped
     gc.collect()
     assert [f"{u.exc_type.__name__}: {u.exc_value} in {u.object}" for u in unraisable] == []
+
+
+class BlockedSignals(torch.utils.data.Dataset):
+    """Each item: whether each stop signal is blocked in the worker now, and was when its init began
+    (`forked_with`, set by the test's init: what the worker was forked with, before our code ran)."""
+
+    forked_with: tuple = ()
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import signal
+
+        now = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        return torch.tensor([[s in now for s in worker_signals.STOP_SIGNALS],
+                             [s in self.forked_with for s in worker_signals.STOP_SIGNALS]])
+
+
+def test_forked_workers_start_with_the_stop_signals_blocked_and_unblock_them_in_init_worker(monkeypatch):
+    """A signal in the few ms between a worker's fork and its handlers would kill it (group SIGTERM,
+    Ctrl-C): the parent blocks the stop signals while it forks, the worker unblocks them once its
+    handlers are in place, and the parent's mask is as it was once the workers run."""
+    import signal
+
+    from torch.utils.data import get_worker_info
+
+    init = worker_signals.init_worker
+
+    def recording_init(stop_began, worker_id):
+        get_worker_info().dataset.forked_with = tuple(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        init(stop_began, worker_id)
+
+    monkeypatch.setattr(worker_signals, "init_worker", recording_init)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    loader = SignalSafeLoader(BlockedSignals(), batch_size=None, num_workers=2, multiprocessing_context="fork",
+                              worker_init_fn=worker_signals.worker_init_fn())
+    items = list(loader)
+    assert len(items) == 4
+    for item in items:
+        assert not item[0].any()  # unblocked once init_worker ran: SIGTERM reaches the handlers
+        assert item[1].all()  # and blocked from the fork until then
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before  # the parent's mask restored
