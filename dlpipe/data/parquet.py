@@ -25,10 +25,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from dlpipe.data.generated import write_missing
 from dlpipe.data.shards import ShardedStream
 from dlpipe.data.tabular import TabularDataset
 from dlpipe.errors import ConfigError, DataError, first_line
-from dlpipe.machine.disk import atomic_file, write_failure
+from dlpipe.machine.disk import atomic_file
 
 GLOB_CHARS = frozenset("*?[")
 
@@ -261,12 +262,7 @@ class SyntheticTabularParquet(ParquetStream):
         name = f"size{size}-features{num_features}-classes{num_classes}-noise{noise}-seed{seed}"
         folder = Path(os.path.expanduser(str(root))) / f"{name}-files{files_count}-rows{row_group_size}"
         paths = [folder / f"part-{i:05d}.parquet" for i in range(files_count)]
-        if not all(path.is_file() for path in paths):
-            try:
-                write_tables(paths, args, row_group_size)
-            except OSError as e:
-                where = Path(e.filename) if e.filename else folder
-                raise DataError(f"dataset.root={str(root)!r}: cannot write {where}: {write_failure(e, where)}") from e
+        write_missing(root, folder, paths, lambda: write_tables(paths, args, row_group_size))
         columns = [f"f{i}" for i in range(num_features)]
         super().__init__([str(p) for p in paths], columns, "label", shuffle_buffer, seed)
 
