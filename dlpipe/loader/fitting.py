@@ -17,7 +17,7 @@ from dlpipe.loader.decisions import prefetch, workers_for_data
 from dlpipe.loader.fetch import find_gather, gather_for
 from dlpipe.loader.lint import lint_job
 from dlpipe.loader.probe import item_fetch_seconds
-from dlpipe.loader.stream_fit import fit_stream, validation_share
+from dlpipe.loader.stream_fit import fit_stream, share_decided_on
 from dlpipe.loader.streams import buffer_bytes, is_stream, reads_positions, size_of
 from dlpipe.loader.worker_method import global_draws
 from dlpipe.schema import DlpipeConfig, LoaderConfig
@@ -122,7 +122,7 @@ def build_loaders(cfg: DlpipeConfig, train_set, val_set, rank: int = 0, world: i
         lc.update(batch_size=cfg.loader.val_batch_size or lc["batch_size"], shuffle=False, drop_last=False,
                   persistent_workers=False)
         if is_stream(val_set):
-            lc.update(stream_share=validation_share(cfg.loader, val_set, world))
+            lc.update(stream_share=share_decided_on(cfg.loader, val_set, world))  # its own, not the training stream's
         val = build_loader(val_set, **lc, seed=seed, cuda=cuda, role="val", rank=rank, world=world)
     return train, val
 

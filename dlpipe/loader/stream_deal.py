@@ -49,6 +49,11 @@ class Deal:
             return np.array([self.rank % size])
         return np.arange(self.rank * size // self.world, (self.rank + 1) * size // self.world)
 
+    def rank_items(self, total: int) -> int:
+        """Items this rank takes of an epoch of `total` (all its workers together)."""
+        full, rest = divmod(total, self.round_size)
+        return full * self.batch_size + (len(self.last_round(rest)) if rest else 0)
+
     def mask(self, positions: np.ndarray, total: int) -> np.ndarray:
         """Which of `positions` (of an epoch of `total` items) this worker yields."""
         rounds, inside = np.divmod(positions, self.round_size)

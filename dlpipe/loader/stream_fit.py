@@ -83,10 +83,11 @@ def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, 
     return _share(loader, stream, reasons, world), reasons
 
 
-def validation_share(loader: LoaderConfig, stream: IterableDataset, world: int) -> str:
-    """loader.stream_share for a val_dataset stream, decided on it as for the training stream
-    (loader.stream_share names the training stream's): another stream may share itself out where
-    the training stream does not, and dealing it again would score only a part of it."""
+def share_decided_on(loader: LoaderConfig, stream: IterableDataset, world: int) -> str:
+    """loader.stream_share as `auto` decides it on `stream` for `loader`'s workers and `world` ranks,
+    whatever the config's value was decided for: a val_dataset stream may share itself out where the
+    training stream does not (dealing it again would score only a part of it), and tune's candidates
+    have workers where the job's loader may have none."""
     return _share(replace(loader, stream_share="auto"), stream, {}, world).stream_share
 
 

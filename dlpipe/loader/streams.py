@@ -97,8 +97,7 @@ class StreamShare(IterableDataset):
         if not (self.share and reads_positions(self.dataset)):
             raise TypeError(f"a stream ({type(self.dataset).__name__}) has no length")
         deal = Deal(self.batch_size, world=self.world, rank=self.rank, drop_last=self.drop_last, pad=self.pad)
-        full, rest = divmod(self.dataset.num_rows, deal.round_size)
-        return full * self.batch_size + (len(deal.last_round(rest)) if rest else 0)
+        return deal.rank_items(self.dataset.num_rows)
 
     def __iter__(self) -> Iterator:
         info = get_worker_info()

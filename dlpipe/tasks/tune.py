@@ -23,7 +23,7 @@ from dlpipe.loader.fetch import find_gather
 from dlpipe.loader.fitting import build_collate, loader_settings
 from dlpipe.loader.measure import describe
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard
-from dlpipe.loader.stream_fit import fit_stream
+from dlpipe.loader.stream_fit import share_decided_on
 from dlpipe.loader.streams import is_stream
 from dlpipe.machine import hardware
 from dlpipe.machine.disk import write_atomic, write_failure
@@ -35,7 +35,6 @@ from dlpipe.tasks.params import config_params, settings_params
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.tracking_run import open_run, run_tags
 from dlpipe.tracking.run import MlflowRun
-from dlpipe.training.accumulation import epoch_batches
 
 log = logging.getLogger("dlpipe")
 
@@ -48,10 +47,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
         cfg.loader = dataclasses.replace(cfg.loader, stream_share=share_among_workers(cfg.loader, job.train_set))
     bench, cuda = cfg.bench, cfg.trainer.device.startswith("cuda")
     max_workers = bench.max_workers if bench.max_workers is not None else budget.budget + max(2, budget.budget // 2)
-    batches = epoch_batches(plan.loader, -1)  # None: a stream without a length
-    # (a stream's workers start anew each epoch, persistent or not: loader.build)
-    crosses_epochs = batches is not None and bench.warmup_batches + bench.batches > batches \
-        and not is_stream(job.train_set)
+    # (a stream's workers start anew each epoch, persistent or not: loader.build; some have no length)
+    crosses_epochs = not is_stream(job.train_set) and bench.warmup_batches + bench.batches > len(plan.loader)
     start = start_candidate(plan)
     tags = run_tags(ctx, **{"dlpipe.task": "tune"})
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
@@ -110,9 +107,7 @@ def share_among_workers(loader, stream) -> str:
     (loader.stream_fit): a candidate must read each sample once an epoch, or it measures duplicates."""
     if loader.num_workers or loader.stream_share == "source":
         return loader.stream_share
-    fitted, _ = fit_stream({"num_workers": 2, "prefetch_factor": 2, "persistent_workers": False},
-                           dataclasses.replace(loader, num_workers=2, stream_share="auto"), stream, 1, 1)
-    return fitted.stream_share
+    return share_decided_on(dataclasses.replace(loader, num_workers=2), stream, 1)
 
 
 def dataset_options(cfg: DlpipeConfig, train_set) -> dict[str, bool]:
