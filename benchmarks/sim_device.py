@@ -262,6 +262,14 @@ class Figures:
     cpu_main: float  # percent of one core: the main process (thread workers' fetching not included)
     cpu_workers: float  # percent of one core: all workers
     blocked: float  # share of the wall the host spent blocked on the device
+    first_batch: float  # share of the wall spent waiting for each epoch's first batch (in data_wait too)
+    # Run-queue waits over the whole run (all epochs), as shares of its wall: seconds the main process's
+    # threads and the workers were runnable but waited for a CPU (/proc/PID/task/*/schedstat, summed
+    # over threads and processes), and the machine's CPU pressure (/proc/pressure/cpu "some"); nan where
+    # /proc does not say.
+    main_runq: float = math.nan
+    workers_runq: float = math.nan
+    pressure: float = math.nan
 
 
 @dataclass
@@ -287,12 +295,23 @@ def summarise(epochs: list[EpochWindow], rows: list[dict], samples: int) -> Figu
     seconds = [r["epoch_time_s"] for r in rows]
     weighted = lambda key: sum(r.get(key, math.nan) * s for r, s in zip(rows, seconds)) / sum(seconds)  # noqa: E731
     return Figures(samples * len(epochs) / wall, sum(w.busy_s for w in epochs) / wall, weighted("data_wait_frac"),
-                   weighted("cpu_main_pct"), weighted("cpu_workers_pct"), sum(w.blocked_s for w in epochs) / wall)
+                   weighted("cpu_main_pct"), weighted("cpu_workers_pct"), sum(w.blocked_s for w in epochs) / wall,
+                   sum(r["first_batch_s"] for r in rows) / wall)
 
 
-def train(c: Candidate, dataset, step_ms: float, args, sampler: ResourceSampler) -> Figures:
+def train(c: Candidate, dataset, step_ms: float, args, sampler: ResourceSampler, threads: int | None = None) -> Figures:
     """`args.epochs` epochs of dlpipe's runner on `c`'s loader with a SimStep model; the figures of the
-    epochs after the first."""
+    epochs after the first. `threads`: the main process's torch intra-op threads for this run (None:
+    torch's own choice, one per CPU)."""
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
+    try:
+        return _train(c, dataset, step_ms, args, sampler)
+    finally:
+        torch.set_num_threads(default_threads)
+
+
+def _train(c: Candidate, dataset, step_ms: float, args, sampler: ResourceSampler) -> Figures:
     cuda = args.device == "cuda"
     settings = {**c.settings(), "pin_memory": cuda and c.num_workers > 0}  # loader=auto pins on a GPU
     loader = build_loader(dataset, batch_size=BATCH, shuffle=True, drop_last=False, timeout=0.0,
@@ -304,13 +323,44 @@ def train(c: Candidate, dataset, step_ms: float, args, sampler: ResourceSampler)
                       TrainerConfig(epochs=args.epochs, device="cuda" if cuda else "cpu", progress=False),
                       sampler=sampler, callbacks=Callbacks({"device_sync": sync}), cuda_sync_every=args.sync_every)
     sampler.window()  # the first epoch's CPU starts here
+    before, started = waits(), time.perf_counter()
     try:
         rows = trainer.fit(loader)
+        after, wall = waits(), time.perf_counter() - started  # before shutdown: the workers are still there
     finally:
         shutdown = getattr(loader, "shutdown", None)
         if shutdown is not None:
             shutdown()  # persistent workers end here, before the next config starts its own
-    return summarise(sync.epochs[1:], rows[1:], len(dataset))
+    figures = summarise(sync.epochs[1:], rows[1:], len(dataset))
+    # a worker started during the run has all its wait in `after`; a non-persistent one that ended is not counted
+    figures.main_runq, figures.workers_runq, figures.pressure = ((a - b) / wall for a, b in zip(after, before))
+    return figures
+
+
+def run_delay(pid: int | str) -> float:
+    """Seconds the threads of process `pid` have been runnable but waiting for a CPU (schedstat's second field)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(task.read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+def waits() -> tuple[float, float, float]:
+    """(this process's run-queue wait, its descendants', the machine's CPU pressure "some" total), in
+    seconds since each started; nan where /proc does not say."""
+    import psutil
+
+    try:
+        pressure = float(Path("/proc/pressure/cpu").read_text().split("total=")[1].split()[0]) / 1e6
+    except (OSError, IndexError, ValueError):
+        pressure = math.nan
+    if not Path(f"/proc/{os.getpid()}/task").is_dir():
+        return math.nan, math.nan, pressure
+    children = psutil.Process().children(recursive=True)
+    return run_delay("self"), sum(run_delay(c.pid) for c in children), pressure
 
 
 def build(name: str, args):
@@ -343,7 +393,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="training images (default 1280: 20 batches of 64, 10 a worker at 2 workers, so loader=auto "
                         "keeps them)")
     p.add_argument("--python-ops", type=int, default=1024, help="values jpeg+python's jitter touches (default 1024)")
-    p.add_argument("--workers", default="1,2,3,4", help="the grid's worker counts besides 0 (default 1,2,3,4)")
+    p.add_argument("--workers", default="1,2,3", help="the grid's worker counts besides 0 (default 1,2,3)")
     p.add_argument("--queue-depth", type=int, default=2, help="steps the host may run ahead of the device (default 2)")
     p.add_argument("--sync-every", type=int, default=25,
                    help="optimizer steps between syncs (default 25, telemetry.cuda_sync_every)")
@@ -354,6 +404,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="leave out the published case's row (65%% busy with PyTorch's defaults)")
     p.add_argument("--device", default="sim", choices=("sim", "cuda"),
                    help="sim: the simulated device (default); cuda: the GPU, steps of matrix products")
+    p.add_argument("--explain", action="store_true",
+                   help="instead of the comparison: where loader=auto's data wait goes at --explain-ms on the jpeg "
+                        "pipeline (2 processes, prefetch 2, persistent, and auto's own pick; torch's intra-op threads "
+                        "in the main process as torch sets them, and 1), --held-out rounds")
+    p.add_argument("--explain-ms", type=float, default=20.0, help="the step time --explain measures at (default 20)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs, its figures mean nothing")
     args = checked(p, argv, counts=("held_out", "epochs", "images", "python_ops", "queue_depth", "repeats"),
                    non_negative=("sync_every",))
@@ -531,14 +586,52 @@ def main(argv=None) -> int:
               f"start; device {device}, a sync every {args.sync_every} optimizer steps and at every epoch's end; "
               f"dlpipe's runner, {args.rounds} grid round(s) then {args.held_out} held-out round(s), shuffled.", ""]
     try:
-        sections = [run_pipeline(name, args, budget, sampler) for name in args.chosen]
+        if args.explain:
+            report += explain(args, budget, sampler)
+            sections = []
+        else:
+            sections = [run_pipeline(name, args, budget, sampler) for name in args.chosen]
     finally:
         sampler.stop()
     report += [line for lines, _ in sections for line in lines]
-    results = [result for _, result in sections]
-    report += ["### goals", "", *[line for r in results for line in goals(r)],
-               "", f"Load average at the end: {' '.join(f'{v:.1f}' for v in os.getloadavg())}."]
+    if sections:
+        report += ["### goals", "", *[line for _, r in sections for line in goals(r)], ""]
+    report += [f"Load average at the end: {' '.join(f'{v:.1f}' for v in os.getloadavg())}."]
     return finish("\n".join(report) + "\n", args.out)
+
+
+
+def explain(args, budget: int, sampler: ResourceSampler) -> list[str]:
+    """Where the data wait goes at one step time: the same loaders with the main process's torch
+    threads as torch sets them and with 1, side by side, with run-queue waits and CPU pressure."""
+    dataset, what = build("jpeg", args)
+    auto, _, _ = automatic(dataset, BATCH, budget)
+    issue = Candidate(2, 2, True, False)  # loader=auto as issue 32 saw it: 2 processes, prefetch 2, persistent
+    default = torch.get_num_threads()
+    runs = {(c, t): None for c in dict.fromkeys((issue, auto)) for t in (default, 1)}
+    measured = Measured()
+    step = args.explain_ms
+
+    def run(c: Candidate, threads: int) -> Figures:
+        return train(c, dataset, step, args, sampler, threads)
+
+    measure_rounds(run, measured, list(runs), args.held_out, random.Random(0), "explain")
+    lines = [f"### where the data wait goes: {what}, batch {BATCH}, a {step:g} ms step", "",
+             f"{math.ceil(len(dataset) / BATCH)} batches an epoch, {args.epochs} epochs a run (the first left out; "
+             f"the run-queue columns cover every epoch); {args.held_out} rounds, medians. Run-queue and pressure "
+             "columns are seconds per wall second: the main process's threads and the workers waiting, runnable, "
+             "for a CPU (/proc/PID/task/*/schedstat), and the machine's CPU pressure (/proc/pressure/cpu, some).",
+             "", "| loader | torch threads (main) | device busy | samples/s | data wait (runner) "
+             "| of it, first batches | host blocked on device | CPU % main / workers | run queue main / workers "
+             "| CPU pressure |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c, threads in runs:
+        m = lambda what, key=(c, threads): measured.median(key, what)  # noqa: E731
+        lines.append(f"| {c.label()} | {threads} | {m('busy'):.3f} | {m('samples_per_s'):.0f} | "
+                     f"{100 * m('data_wait'):.1f}% | {100 * m('first_batch'):.1f}% | {100 * m('blocked'):.1f}% | "
+                     f"{m('cpu_main'):.0f} / {m('cpu_workers'):.0f} | {m('main_runq'):.2f} / {m('workers_runq'):.2f} "
+                     f"| {m('pressure'):.2f} |")
+    return lines + [""]
 
 
 if __name__ == "__main__":
