@@ -62,6 +62,9 @@ def test_batches_do_not_depend_on_the_workers_and_ranks_end_together(world, drop
                 for start in range(len(one[0]) + 1):  # a resumed epoch: the rounds after `start`
                     assert [rank_batches(total, size, world, rank, workers, drop_last, pad, start)
                             for rank in range(world)] == [b[start:] for b in one], (total, size, workers, start)
+            for start in range(len(one[0]) + 2):  # thread workers take a rank's batches as one list
+                assert [[batch.tolist() for batch in Deal(size, 1, 0, world, rank, drop_last, pad, start)
+                         .rank_batches(total)] for rank in range(world)] == [b[start:] for b in one], (total, start)
             if pad or drop_last:  # training: DDP needs as many steps on every rank
                 assert len({len(b) for b in one}) == 1, (total, size)
             seen = sorted(p for b in one for batch in b for p in batch)

@@ -27,14 +27,19 @@ STREAMS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(STREAMS))
-def test_a_stream_stopped_on_2_workers_resumes_on_1_exactly(dlpipe, tmp_path, mlflow_store, mlflow_client, kind):
+@pytest.mark.parametrize("kind, resumed_on", [("parquet", ["loader.num_workers=3"]),
+                                              ("parquet", ["loader.num_workers=3", "loader.worker_method=thread"]),
+                                              ("read-whole", ["loader.num_workers=3"])])
+def test_a_stream_stopped_on_2_workers_resumes_on_3_exactly(dlpipe, tmp_path, mlflow_store, mlflow_client, kind,
+                                                             resumed_on):
+    """Resumed on 3 worker processes, or, for a stream that reads positions, 3 worker threads
+    (dlpipe.loader.stream_threads)."""
     data, at = STREAMS[kind]
     args = [*data, *COMMON, f"+dataset.marker={tmp_path / 'signalled'}", f"tracking.uri={mlflow_store}"]
     r = dlpipe(*args, f"{at}=-1", "loader.num_workers=0", f"hydra.run.dir={tmp_path / 'straight'}",
                f"tracking.experiment=straight-{kind}")
     assert r.returncode == 0, r.stderr
-    r = dlpipe(*args, "loader.num_workers=2", f"hydra.run.dir={tmp_path / 'split'}",
+    r = dlpipe(*args, "loader.num_workers=2", "loader.worker_method=process", f"hydra.run.dir={tmp_path / 'split'}",
                f"tracking.experiment=split-{kind}", new_session=True)  # a group of its own: the signal's
     assert r.returncode == 143, r.stderr
     assert "loader.stream_share = dlpipe" in r.stdout
@@ -42,11 +47,12 @@ def test_a_stream_stopped_on_2_workers_resumes_on_1_exactly(dlpipe, tmp_path, ml
     assert stopped["epoch"] == 1 and stopped["batches_done"] > 0
     [hint] = [line.split("resume with: dlpipe ")[1] for line in (r.stdout + r.stderr).splitlines()
               if "resume with: dlpipe " in line]
-    r = dlpipe(*shlex.split(hint), "loader.num_workers=3")
+    r = dlpipe(*shlex.split(hint), *resumed_on)
     assert r.returncode == 0, r.stderr
     out = r.stdout + r.stderr
     assert "resuming from" in out and "resuming with a changed config" not in out
-    assert "resuming with other loader settings (the batches stay the same): loader.num_workers" in out
+    [line] = [line for line in out.splitlines() if "resuming with other loader settings (the batches stay" in line]
+    assert all(key.partition("=")[0] in line for key in resumed_on), line
 
     [straight], [resumed] = runs_of(mlflow_client, f"straight-{kind}"), runs_of(mlflow_client, f"split-{kind}")
     assert resumed.info.status == "FINISHED"

@@ -83,7 +83,8 @@ def test_a_streams_loader_batches_each_sample_once_and_says_what_it_ignored():
         "train: loader.shuffle=true ignored: a stream is read in its own order (shuffle it at the source, e.g. a "
         "shuffle buffer)",
         "train: loader.fetch=batch ignored: a stream is read item by item",
-        "train: loader.worker_method=thread ignored: threads would share one reader of the stream",
+        "train: loader.worker_method=thread ignored: threads would share one reader of the stream (thread workers "
+        "need a stream that reads any position of its epoch, dealt by dlpipe)",
         "train: loader.persistent_workers=true ignored: the stream's set_epoch(epoch) reaches workers only when "
         "they start anew"]
     assert plan.requested == {"fetch": "batch", "worker_method": "thread", "persistent_workers": True}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +148,7 @@ class ParquetStream(ShardedStream):
                                 for group in range(footer.metadata.num_row_groups)]
         self._decoded: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
         self._opened: dict = {}  # the last file's footer, for its row groups in a row
+        self._lock = threading.Lock()  # thread workers share the two caches (dlpipe.loader.stream_threads)
         if self.num_rows == 0:
             raise ConfigError([f"dataset.files: no rows in {len(self.files)} parquet file(s) ({self.files[0]}, ...)"])
         self.num_features = self._feature_count(schema)
@@ -210,17 +212,21 @@ class ParquetStream(ShardedStream):
     def _row_group(self, shard: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(features, targets) of one row group, decoded once for the windows in a row that take rows
         of it (the last two kept: a window ends in one row group and the next starts there)."""
-        if shard not in self._decoded:
-            if len(self._decoded) == 2:
-                del self._decoded[next(iter(self._decoded))]
-            path, group = self.shards[shard]
-            columns = self.input + ([self.target] if self.target is not None else [])
-            self._decoded[shard] = read_group(path, group, columns, self._opened, self._arrays)
-        return self._decoded[shard]
+        with self._lock:  # one decode of a row group for the threads that want it at once
+            if shard not in self._decoded:
+                if len(self._decoded) == 2:
+                    del self._decoded[next(iter(self._decoded))]
+                path, group = self.shards[shard]
+                columns = self.input + ([self.target] if self.target is not None else [])
+                self._decoded[shard] = read_group(path, group, columns, self._opened, self._arrays)
+            return self._decoded[shard]
 
     def __getstate__(self) -> dict:
         # a worker reads its own: an open file does not travel, nor rows decoded in the main process
-        return {**self.__dict__, "_decoded": {}, "_opened": {}}
+        return {key: value for key, value in self.__dict__.items() if key != "_lock"} | {"_decoded": {}, "_opened": {}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def _arrays(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray | None]:
         targets = None

@@ -69,11 +69,13 @@ class ShardedStream(IterableDataset):
         """Called by dlpipe at each epoch's start (in the main process: workers start anew with it)."""
         self.epoch = int(epoch)
 
-    def shard_order(self) -> np.ndarray:
-        """This epoch's order of the shards: drawn from (seed, epoch) when shuffled, else the files' order."""
+    def shard_order(self, epoch: int | None = None) -> np.ndarray:
+        """An epoch's order of the shards (this epoch's by default): drawn from (seed, epoch) when
+        shuffled, else the files' order."""
         if not self.shuffle_buffer:
             return np.arange(len(self.shard_rows))
-        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.shard_rows))
+        return np.random.default_rng([self.seed, self.epoch if epoch is None else epoch]).permutation(
+            len(self.shard_rows))
 
     def windows(self) -> Iterator[np.ndarray]:
         """This epoch's rows as global row numbers (shard offset + row), window after window: the
@@ -91,15 +93,41 @@ class ShardedStream(IterableDataset):
                 pending.append(take)
                 held += len(take)
                 if held == size:
-                    yield self._mixed(np.concatenate(pending), index)
+                    yield self._mixed(np.concatenate(pending), index, self.epoch)
                     pending, held, index = [], 0, index + 1
         if held:
-            yield self._mixed(np.concatenate(pending), index)
+            yield self._mixed(np.concatenate(pending), index, self.epoch)
 
-    def _mixed(self, window: np.ndarray, index: int) -> np.ndarray:
+    def _mixed(self, window: np.ndarray, index: int, epoch: int) -> np.ndarray:
         if not self.shuffle_buffer:
             return window
-        return window[np.random.default_rng([self.seed, self.epoch, index]).permutation(len(window))]
+        return window[np.random.default_rng([self.seed, epoch, index]).permutation(len(window))]
+
+    def rows_at(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        """The global row numbers at `positions` of epoch `epoch`, as windows() orders that epoch,
+        computed for those windows alone: window w holds the epoch's shard-ordered rows
+        w * size ... (w + 1) * size - 1, in its drawn order."""
+        positions = np.asarray(positions, dtype=np.int64)
+        size = self.shuffle_buffer or WINDOW_ROWS
+        order = self.shard_order(epoch)
+        rows = np.asarray(self.shard_rows, dtype=np.int64)[order]
+        starts = np.concatenate([[0], np.cumsum(rows)])  # where each shard begins in the epoch's sequence
+        in_sequence = np.empty_like(positions)
+        windows = positions // size
+        for window in np.unique(windows):
+            where = windows == window
+            first = int(window) * size
+            length = min(size, self.num_rows - first)
+            mixed = self._mixed(np.arange(first, first + length), int(window), epoch)
+            in_sequence[where] = mixed[positions[where] - first]
+        shard = np.searchsorted(starts, in_sequence, side="right") - 1
+        return self.shard_offsets()[order[shard]] + in_sequence - starts[shard]
+
+    def items_at(self, positions: np.ndarray, epoch: int) -> list:
+        """The items at `positions` of epoch `epoch`, in that order, read and built as read_positions
+        builds them (each under its row's random draws): for thread workers fetching batches of an
+        epoch's positions (dlpipe.loader.stream_threads)."""
+        return list(self._read_ids(self.rows_at(positions, epoch), self.shard_offsets(), epoch))
 
     def shard_offsets(self) -> np.ndarray:
         """The global row number of each shard's first row, and the row count at the end."""
@@ -114,9 +142,9 @@ class ShardedStream(IterableDataset):
             chosen = window[keep(np.arange(position, position + len(window)))]
             position += len(window)
             if len(chosen):
-                yield from self._read_ids(chosen, offsets)
+                yield from self._read_ids(chosen, offsets, self.epoch)
 
-    def _read_ids(self, ids: np.ndarray, offsets: np.ndarray) -> Iterator:
+    def _read_ids(self, ids: np.ndarray, offsets: np.ndarray, epoch: int) -> Iterator:
         """Items of global row numbers `ids`, in their order: each shard asked once for its rows' records,
         each item built as it is handed out (a window's records are small next to its built items)."""
         shards = np.searchsorted(offsets, ids, side="right") - 1
@@ -127,7 +155,7 @@ class ShardedStream(IterableDataset):
             order = np.argsort(rows, kind="stable")
             for slot, record in zip(where[order], self.read_rows(int(shard), rows[order]), strict=True):
                 records[slot] = record
-        stream = epoch_stream(self.seed, self.epoch)
+        stream = epoch_stream(self.seed, epoch)
         try:
             for sample, record in zip(ids, records, strict=True):
                 fetching(stream, int(sample))

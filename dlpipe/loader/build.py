@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Sequ
 from dlpipe.loader import policy
 from dlpipe.loader.collate import collate_first
 from dlpipe.loader.fetch import BatchGather, EpochBatches, fetch_mode, gather_for, unwrapped
-from dlpipe.loader.streams import StreamShare, is_stream
+from dlpipe.loader.stream_threads import thread_stream_loader
+from dlpipe.loader.streams import StreamShare, is_stream, reads_positions
 from dlpipe.loader.threads import ThreadLoader, worker_method_of
 from dlpipe.loader.worker_signals import SignalSafeLoader, worker_init_fn
 from dlpipe.sample_rng import epoch_stream
@@ -283,35 +284,46 @@ def build_stream_loader(stream: IterableDataset, *, batch_size: int, num_workers
                         worker_method: str, share: bool) -> LoaderPlan:
     """build_loader for a stream (loader.streams): PyTorch's DataLoader over it, item by item in worker
     processes, each keeping its own batches of this rank's with `share` (loader.stream_share=dlpipe);
-    what a stream cannot take is a note."""
+    thread workers where dlpipe deals a stream that reads positions (loader.stream_threads: the same
+    batches); what a stream cannot take is a note."""
     notes, requested = [], {}
     training = role == "train"
-    stream = StreamShare(unwrapped(stream), share=share, batch_size=batch_size, drop_last=drop_last and training,
-                         rank=rank, world=world, pad=training)
+    stream = unwrapped(stream)
     if shuffle and training:
         notes.append("loader.shuffle=true ignored: a stream is read in its own order (shuffle it at the source, "
                      "e.g. a shuffle buffer)")
     if fetch == "batch":
         requested["fetch"] = fetch
         notes.append("loader.fetch=batch ignored: a stream is read item by item")
-    if worker_method == "thread" and num_workers:
-        requested["worker_method"] = worker_method
-        notes.append("loader.worker_method=thread ignored: threads would share one reader of the stream")
-    if persistent_workers and num_workers and hasattr(stream, "set_epoch"):
-        # set_epoch runs in this process; persistent workers keep the copy they started with
+    method = "thread" if worker_method == "thread" and num_workers else "process"
+    if method == "thread" and not (share and reads_positions(stream)):
+        method, requested["worker_method"] = "process", worker_method
+        notes.append("loader.worker_method=thread ignored: threads would share one reader of the stream (thread "
+                     "workers need a stream that reads any position of its epoch, dealt by dlpipe)")
+    if persistent_workers and num_workers and method == "process":
+        # set_epoch (StreamShare's: the epoch, a resume) runs in this process; persistent workers keep
+        # the copy they started with
         persistent_workers, requested["persistent_workers"] = False, True
         notes.append("loader.persistent_workers=true ignored: the stream's set_epoch(epoch) reaches workers only "
                      "when they start anew")
     asked = dict(zip(NORMALISED, (pin_memory, prefetch_factor, persistent_workers, timeout, multiprocessing_context),
                      strict=True))
-    settings, changed, more = normalise(num_workers, asked, cuda)
+    settings, changed, more = normalise(num_workers, asked, cuda, method)
     generator = torch.Generator()
     generator.manual_seed(seed + rank)  # each worker's torch, random and NumPy seeds, as for map datasets
-    loader = SignalSafeLoader(stream, batch_size=batch_size, drop_last=drop_last and training,
-                              collate_fn=collate_fn, num_workers=num_workers, generator=generator,
-                              worker_init_fn=worker_init_fn() if num_workers > 0 else None,
-                              reseed=None if role == "train" else seed + rank, **settings)
+    if method == "thread":  # the items draw from their rows' streams (dlpipe.sample_rng), not the generator
+        loader = thread_stream_loader(stream, batch_size=batch_size, drop_last=drop_last and training, rank=rank,
+                                      world=world, pad=training, collate_fn=collate_fn, num_workers=num_workers,
+                                      prefetch_factor=settings["prefetch_factor"], pin_memory=settings["pin_memory"],
+                                      timeout=settings["timeout"], generator=generator)
+    else:
+        shared = StreamShare(stream, share=share, batch_size=batch_size, drop_last=drop_last and training,
+                             rank=rank, world=world, pad=training)
+        loader = SignalSafeLoader(shared, batch_size=batch_size, drop_last=drop_last and training,
+                                  collate_fn=collate_fn, num_workers=num_workers, generator=generator,
+                                  worker_init_fn=worker_init_fn() if num_workers > 0 else None,
+                                  reseed=None if role == "train" else seed + rank, **settings)
     batch = stream_batch_bytes(stream, batch_size, collate_fn)
     inflight = policy.inflight_bytes(num_workers, settings["prefetch_factor"], batch)
     return LoaderPlan(loader, [f"{role}: {n}" for n in notes + more], batch, inflight, settings,
-                      {**changed, **requested}, "item", "process")
+                      {**changed, **requested}, "item", method)

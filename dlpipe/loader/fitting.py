@@ -35,7 +35,8 @@ def fit_loader_to_data(raw_loader: dict, loader: LoaderConfig, epochs: int, trai
     loader settings and the reason for each value decided here."""
     collate = build_collate(loader)  # the decisions below replace other fields, never collate_fn
     if is_stream(train_set):  # no index: none of the probes below applies
-        return fit_stream(raw_loader, loader, train_set, world, epochs, collate)
+        return fit_stream(raw_loader, loader, train_set, world, epochs, collate,
+                          model_bytes=cpu_bytes(model) if model is not None else 0)
     reasons = {}
     if loader.fetch != "item" and len(train_set):  # first: fetch=batch on a dataset that cannot is refused here
         if loader.fetch == "batch":

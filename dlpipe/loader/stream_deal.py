@@ -54,6 +54,18 @@ class Deal:
         full, rest = divmod(total, self.round_size)
         return full * self.batch_size + (len(self.last_round(rest)) if rest else 0)
 
+    def rank_batches(self, total: int) -> Iterator[np.ndarray]:
+        """This rank's batches of an epoch of `total` positions, one a round from round `start`: what
+        all its workers yield together, in the order a DataLoader takes them (thread workers fetch
+        them in this order; dlpipe.loader.stream_threads)."""
+        full, rest = divmod(total, self.round_size)
+        for round_ in range(self.start, full):
+            first = round_ * self.round_size + self.rank * self.batch_size
+            yield np.arange(first, first + self.batch_size)
+        last = self.last_round(rest) if rest and self.start <= full else np.empty(0, dtype=np.int64)
+        if len(last):
+            yield full * self.round_size + last
+
     def mask(self, positions: np.ndarray, total: int) -> np.ndarray:
         """Which of `positions` (of an epoch of `total` items) this worker yields."""
         rounds, inside = np.divmod(positions, self.round_size)

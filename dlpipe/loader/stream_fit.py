@@ -14,9 +14,10 @@ from dataclasses import replace
 from torch.utils.data import IterableDataset, default_collate
 
 from dlpipe.errors import ConfigError
-from dlpipe.loader import policy
+from dlpipe.loader import policy, worker_method
 from dlpipe.loader.collate import collate_first
 from dlpipe.loader.decisions import prefetch, workers_for_data
+from dlpipe.loader.stream_threads import EpochPositions
 from dlpipe.loader.streams import reads_positions, shares_itself
 from dlpipe.schema import LoaderConfig
 
@@ -50,8 +51,9 @@ def stream_item_seconds(stream: IterableDataset, batch_size: int, collate_fn=Non
 
 
 def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, world: int, epochs: int,
-               collate_fn=None) -> tuple[LoaderConfig, dict[str, str]]:
-    """fit_loader_to_data for a stream: (the loader settings, the reason for each value decided here)."""
+               collate_fn=None, model_bytes: int = 0) -> tuple[LoaderConfig, dict[str, str]]:
+    """fit_loader_to_data for a stream: (the loader settings, the reason for each value decided here).
+    `model_bytes`: the CPU memory of a model already built (worker_method.fit)."""
     reasons = {}
     if loader.shuffle:  # said once, as a decision: a stream with its own shuffle buffer is configured right
         reasons["loader.shuffle"] = ("False (a stream is read in its own order: it shuffles itself, e.g. a "
@@ -76,11 +78,23 @@ def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, 
             keep, why = False, "the stream's set_epoch(epoch) reaches workers only when they start anew"
         loader = replace(loader, persistent_workers=keep)
         reasons["loader.persistent_workers"] = f"{keep} (auto: {why})"
-    if loader.worker_method != "process":
+    loader = _share(loader, stream, reasons, world)
+    if thread_workers_possible(loader, stream):  # the map dataset's decision, on the epoch's positions
+        if loader.worker_method == "auto":
+            loader = worker_method.fit(loader, raw_loader, EpochPositions(stream), collate_fn, reasons, model_bytes)
+    elif not loader.num_workers:
+        loader = replace(loader, worker_method="process")  # no workers: nothing to decide, PyTorch's default
+    elif loader.worker_method != "process":
         reasons["loader.worker_method"] = ("process (auto: a stream: each worker process reads its own copy; "
                                            "threads would share one reader)")
         loader = replace(loader, worker_method="process")
-    return _share(loader, stream, reasons, world), reasons
+    return loader, reasons
+
+
+def thread_workers_possible(loader: LoaderConfig, stream: IterableDataset) -> bool:
+    """Whether thread workers can fetch `stream` with `loader`'s settings: dlpipe deals it, and it reads
+    any position of its epoch (loader.stream_threads), so threads build batches like worker processes."""
+    return bool(loader.num_workers) and loader.stream_share == "dlpipe" and reads_positions(stream)
 
 
 def share_decided_on(loader: LoaderConfig, stream: IterableDataset, world: int) -> str:

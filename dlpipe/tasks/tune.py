@@ -23,7 +23,8 @@ from dlpipe.loader.fetch import find_gather
 from dlpipe.loader.fitting import build_collate, loader_settings
 from dlpipe.loader.measure import describe
 from dlpipe.loader.search import Candidate, Search, Trial, measure_candidate, memory_guard
-from dlpipe.loader.stream_fit import share_decided_on
+from dlpipe.loader.stream_fit import share_decided_on, thread_workers_possible
+from dlpipe.loader.stream_threads import EpochPositions
 from dlpipe.loader.streams import is_stream
 from dlpipe.machine import hardware
 from dlpipe.machine.disk import write_atomic, write_failure
@@ -113,8 +114,13 @@ def share_among_workers(loader, stream) -> str:
 def dataset_options(cfg: DlpipeConfig, train_set) -> dict[str, bool]:
     """What the dataset allows the search: whole-batch gathers (loader.fetch=batch) where they equal
     its per-item collate, threads unless it draws from the global RNGs (loader.worker_method). A
-    stream allows neither: it is read item by item, by worker processes, each with its own reader."""
-    if is_stream(train_set) or not len(train_set):
+    stream is read item by item; threads only where it reads positions and dlpipe deals it
+    (loader.stream_threads), else each worker process has its own reader."""
+    if is_stream(train_set):
+        threads = thread_workers_possible(dataclasses.replace(cfg.loader, num_workers=2), train_set)
+        return {"gathers": False,
+                "tune_threads": threads and worker_method.global_draws(EpochPositions(train_set)) is None}
+    if not len(train_set):
         return {"gathers": False, "tune_threads": False}
     how, _ = find_gather(train_set, build_collate(cfg.loader))
     return {"gathers": how is not None, "tune_threads": worker_method.global_draws(train_set) is None}
