@@ -20,6 +20,7 @@ from dlpipe.instantiate import instantiate_group
 from dlpipe.loader.collate import collate_first
 from dlpipe.loader.faults import NamedErrors
 from dlpipe.loader.split import train_val_split
+from dlpipe.loader.stream_end import declared_endless
 from dlpipe.loader.streams import StreamShare, is_stream
 from dlpipe.schema import SCHEDULER_DEFAULT_INTERVAL, DlpipeConfig
 from dlpipe.tasks.fit_checks import check_monitored, model_data_mismatch
@@ -68,9 +69,11 @@ def build_datasets(cfg: DlpipeConfig):
     check_device(cfg.trainer.device)
     dataset = instantiate_group("dataset", cfg.dataset)
     check_dataset("dataset", cfg.dataset["_target_"], dataset)
-    if cfg.val_dataset:
-        val_set = instantiate_group("val_dataset", cfg.val_dataset)
+    val_set = instantiate_group("val_dataset", cfg.val_dataset) if cfg.val_dataset else None
+    if val_set is not None:
         check_dataset("val_dataset", cfg.val_dataset["_target_"], val_set)
+    check_streams_end(cfg, dataset, val_set)
+    if val_set is not None:
         if cfg.trainer.val_fraction:
             log.info("trainer.val_fraction=%g not used: val_dataset is the validation data", cfg.trainer.val_fraction)
         return _named(dataset), _named(validation_view(val_set)), dataset
@@ -82,6 +85,27 @@ def build_datasets(cfg: DlpipeConfig):
     if val_set is not None:
         val_set = NamedErrors(Subset(validation_view(dataset), val_set.indices))
     return NamedErrors(train_set), val_set, dataset
+
+
+def check_streams_end(cfg: DlpipeConfig, dataset, val_set) -> None:
+    """A stream that declares it never ends (loader.stream_end) needs a limit: the training stream
+    trainer.limit_train_batches or trainer.max_steps where it is trained on (train, and plan, which
+    shows what a run does: bench and tune read bench.batches of it, eval scores val_dataset), a
+    val_dataset stream trainer.limit_val_batches. Refused here, before anything is tracked."""
+    problems = []
+    endless = declared_endless(dataset) if is_stream(dataset) and cfg.task in ("train", "plan") else None
+    if endless and cfg.trainer.limit_train_batches == -1 and cfg.trainer.max_steps == -1:
+        problems.append(f"trainer.limit_train_batches=-1, trainer.max_steps=-1: dataset._target_="
+                        f"{cfg.dataset['_target_']} is a stream that never ends ({endless}), so its first epoch "
+                        "would never end; set trainer.limit_train_batches=N (micro-batches an epoch) or "
+                        "trainer.max_steps=N (optimizer steps in all), N >= 1")
+    endless = declared_endless(val_set) if val_set is not None and is_stream(val_set) else None
+    if endless and cfg.trainer.limit_val_batches == -1:
+        problems.append(f"trainer.limit_val_batches=-1: val_dataset._target_={cfg.val_dataset['_target_']} is a "
+                        f"stream that never ends ({endless}), so validation would never end; set "
+                        "trainer.limit_val_batches=N (batches a validation pass, N >= 1), or 0 for no validation")
+    if problems:
+        raise ConfigError(problems)
 
 
 def _named(dataset):
