@@ -15,9 +15,11 @@ from test_distributed import torchrun
 from test_streams_cli import refused, steps_at_epoch_ends
 
 from dlpipe.errors import ConfigError
+from dlpipe.loader import stream_fit
 from dlpipe.loader.stream_end import HUGGING_FACE_REPEAT, WEBDATASET_REPEAT, WEBDATASET_RESAMPLED, declared_endless
+from dlpipe.loader.stream_fit import fit_stream
 from dlpipe.loader.streams import shares_itself
-from dlpipe.schema import DlpipeConfig, TrainerConfig
+from dlpipe.schema import DlpipeConfig, LoaderConfig, TrainerConfig
 from dlpipe.tasks.build import check_streams_end
 
 datasets = pytest.importorskip("datasets")
@@ -46,13 +48,15 @@ def recording(tmp_path) -> list[str]:
             f"+model.record={tmp_path / 'rows'}"]
 
 
-@pytest.mark.parametrize("num_shards", [2, 1])
-def test_the_probe_finds_a_hugging_face_stream_shares_itself_out(num_shards):
+@pytest.mark.parametrize("num_shards, why", [
+    (2, "2 workers yielded different items (the stream shares itself out by get_worker_info())"),
+    (1, "one of 2 workers yielded the stream's items and the other none (the stream gives itself to fewer workers, "
+        "e.g. a Hugging Face stream with fewer shards than workers)")])
+def test_the_probe_finds_a_hugging_face_stream_shares_itself_out(num_shards, why):
     """num_shards >= 2: each DataLoader worker reads its own shards. num_shards=1: Hugging Face stops the
     second worker ("Too many dataloader workers ... Stopping 1 dataloader workers") and the first reads
     every row: each row once, so `source` (dealing it would lose the stopped worker's batches)."""
-    found, _ = shares_itself(rows(size=40, num_shards=num_shards), None, 60)
-    assert found is True
+    assert shares_itself(rows(size=40, num_shards=num_shards), None, 60) == (True, why)
     read = list(torch.utils.data.DataLoader(rows(size=40, num_shards=num_shards), batch_size=None, num_workers=2))
     assert sorted(int(item["x"][0]) for item in read) == list(range(40))
 
@@ -71,9 +75,11 @@ def test_a_hugging_face_stream_trains_each_row_once_an_epoch(dlpipe, tmp_path, m
     trained = list(itertools.chain(*recorded(tmp_path / "rows")))
     assert sorted(trained[:40]) == list(range(40))  # epoch 1: every row once (the main process trains in order)
     assert collections.Counter(trained) == {i: 2 for i in range(40)}
-    said = "loader.stream_share = source (auto: 2 workers yielded different items (the stream shares itself out by "
+    said = ("2 workers yielded different items (the stream shares itself out by get_worker_info())" if num_shards > 1
+            else "one of 2 workers yielded the stream's items and the other none (the stream gives itself to fewer "
+                 "workers, e.g. a Hugging Face stream with fewer shards than workers)")
     if workers:
-        assert said + "get_worker_info()))" in r.stdout
+        assert f"loader.stream_share = source (auto: {said})" in r.stdout
         assert run.data.params["loader.stream_share"] == "source"
     if (num_shards, workers) == (1, 2):  # one worker reads it all: 5 batches of 8, as the main process makes
         assert "Too many dataloader workers: 2 (max is dataset.num_shards=1)" in r.stdout + r.stderr
@@ -88,8 +94,8 @@ def test_hugging_face_python_items_are_one_line_and_leave_nothing(dlpipe, tmp_pa
                    "tracking.experiment=hf-python", env=hf_env(tmp_path)),
             "dlpipe: error: model._target_=dlpipe.models.mlp.MLP cannot take a batch of dataset._target_="
             "hf_data.rows (x list, y [2] int64): TypeError: linear(): argument 'input' (position 1) must be Tensor, "
-            "not list; pick a model for this data, or set model.* to fit it", runs_of(mlflow_client, "hf-python"),
-            tmp_path)
+            "not list; give tensors, not Python lists (a Hugging Face dataset: .with_format(\"torch\"))",
+            runs_of(mlflow_client, "hf-python"), tmp_path)
 
 
 def test_torch_formatted_items_collate_into_the_batch_the_model_takes():
@@ -196,3 +202,42 @@ def test_a_stream_split_by_node_trains_each_row_once_on_two_ranks(tmp_path):
                 for path in sorted(tmp_path.glob("rows.*"))]
     assert len(per_rank) == 2 and len(per_rank[0]) == len(per_rank[1]) == 20
     assert sorted(per_rank[0] + per_rank[1]) == list(range(40))
+
+
+RAW_AUTO_WORKERS = {"num_workers": "${auto_workers:}", "prefetch_factor": "${auto_prefetch:${.num_workers}}"}
+
+
+@pytest.mark.parametrize("num_shards, workers", [(1, 1), (2, 2), (4, 3)])
+def test_automatic_workers_stop_at_the_streams_shards(num_shards, workers, monkeypatch):
+    """loader.num_workers=auto gives a stream that shares its shards out no more workers than shards;
+    a set worker count stands (the lint's business)."""
+    slow = LoaderConfig(batch_size=4, num_workers=3, prefetch_factor=2)
+    stream = rows(size=40, num_shards=num_shards)
+    # items as costly as a remote file's, whatever this machine's load: workers pay
+    monkeypatch.setattr(stream_fit, "stream_item_seconds", lambda *args, **kwargs: 0.01)
+    fitted, reasons = fit_stream(RAW_AUTO_WORKERS, slow, stream, world=1, epochs=2)
+    kept, _ = fit_stream({"num_workers": 3, "prefetch_factor": 2}, slow, stream, world=1, epochs=2)
+    assert fitted.stream_share == "source" and fitted.num_workers == workers and kept.num_workers == 3
+    if workers < 3:
+        assert reasons["loader.num_workers"] == (
+            f"{workers} (auto: the stream has {num_shards} shard{'s' if num_shards > 1 else ''} (num_shards) and "
+            "shares them out among the workers: a worker beyond them would read nothing; the budget alone would "
+            "give 3)")
+        assert reasons["loader.prefetch_factor"].startswith(f"{2} (auto: ")
+    else:
+        assert "loader.num_workers" not in reasons
+
+
+def test_a_stream_split_by_node_is_left_to_split_itself_on_as_many_ranks():
+    """auto on 2 ranks refuses a stream that shares itself out (it may split itself by rank too), except
+    one Hugging Face's split_dataset_by_node made for that many ranks: it says so itself."""
+    from datasets.distributed import split_dataset_by_node
+
+    asked = LoaderConfig(batch_size=4, num_workers=2, prefetch_factor=2)
+    split = split_dataset_by_node(rows(size=40, num_shards=4), rank=0, world_size=2)
+    fitted, reasons = fit_stream({"num_workers": 2, "prefetch_factor": 2}, asked, split, world=2, epochs=2)
+    assert fitted.stream_share == "source"
+    assert reasons["loader.stream_share"].endswith("; Hugging Face's split_dataset_by_node gave each of the 2 ranks "
+                                                   "its part)")
+    with pytest.raises(ConfigError, match="and 3 ranks train it"):  # split for 2, trained on 3
+        fit_stream({"num_workers": 2, "prefetch_factor": 2}, asked, split, world=3, epochs=2)

@@ -149,6 +149,22 @@ def test_a_stream_whose_share_cannot_be_measured_or_that_shares_itself_out_on_se
         assert fitted.stream_share == "dlpipe" and keeps in reasons["loader.stream_share"]
 
 
+def test_dealing_a_stream_that_shares_itself_out_is_refused_for_workers():
+    """loader.stream_share=dlpipe set for workers on a stream that shares itself out would keep 1/N
+    of each worker's share: measured and refused in one line; without workers it is what it says."""
+    asked = LoaderConfig(batch_size=8, num_workers=2, prefetch_factor=2, stream_share="dlpipe")
+    with pytest.raises(ConfigError) as e:
+        fit_stream(RAW_SET, asked, SharedOut(), world=1, epochs=2)
+    assert e.value.problems == [
+        "loader.stream_share=dlpipe with loader.num_workers=2: 2 workers yielded different items (the stream shares "
+        "itself out by get_worker_info()): each worker would deal out its own share only and keep 1/2 of it, so "
+        "most rows would never be trained; set loader.stream_share=source (or auto), or loader.num_workers=0"]
+    fitted, _ = fit_stream(RAW_SET, replace(asked, num_workers=0), SharedOut(), world=1, epochs=2)
+    assert fitted.stream_share == "dlpipe"
+    fitted, _ = fit_stream(RAW_SET, asked, Rows(), world=1, epochs=2)  # read whole by each: dealt
+    assert fitted.stream_share == "dlpipe"
+
+
 def test_workers_of_a_stream_that_reorders_by_epoch_start_anew_each_epoch():
     raw = {**RAW_SET, "persistent_workers": RAW_AUTO["persistent_workers"]}
     asked = LoaderConfig(batch_size=8, num_workers=2, prefetch_factor=2, persistent_workers=True, stream_share="dlpipe")

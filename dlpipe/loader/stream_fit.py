@@ -79,6 +79,8 @@ def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, 
         loader = replace(loader, persistent_workers=keep)
         reasons["loader.persistent_workers"] = f"{keep} (auto: {why})"
     loader = _share(loader, stream, reasons, world)
+    if loader.stream_share == "source" and policy.is_auto(raw_loader["num_workers"], "auto_workers"):
+        loader = _workers_for_shards(loader, stream, raw_loader, reasons)
     if thread_workers_possible(loader, stream):  # the map dataset's decision, on the epoch's positions
         if loader.worker_method == "auto":
             loader = worker_method.fit(loader, raw_loader, EpochPositions(stream), collate_fn, reasons, model_bytes)
@@ -110,6 +112,8 @@ def _share(loader: LoaderConfig, stream: IterableDataset, reasons: dict[str, str
     within it, to each worker) for a stream that yields all its items to every worker, `source` for
     one that shares itself out. With several ranks a stream that shares itself out is refused
     (_refuse_ranks): dlpipe cannot tell whether it also splits itself between the ranks."""
+    if loader.stream_share == "dlpipe" and loader.num_workers and not reads_positions(stream):
+        _refuse_dealing_a_share(loader.num_workers, stream, loader.multiprocessing_context)
     if loader.stream_share != "auto":
         return loader
     if not loader.num_workers and world == 1:
@@ -128,6 +132,10 @@ def _share(loader: LoaderConfig, stream: IterableDataset, reasons: dict[str, str
         raise ConfigError([f"loader.stream_share=auto: cannot tell whether the stream shares itself out among "
                            f"workers ({why}); set loader.stream_share=source (it does, by get_worker_info()) or "
                            "loader.stream_share=dlpipe (each worker keeps every Nth item)"])
+    if shares and world > 1 and getattr(getattr(stream, "_distributed", None), "world_size", None) == world:
+        reasons["loader.stream_share"] = (f"source (auto: {why}; Hugging Face's split_dataset_by_node gave each of "
+                                          f"the {world} ranks its part)")
+        return replace(loader, stream_share="source")
     if shares and world > 1:
         raise ConfigError([_refuse_ranks(why, world)])
     if shares:
@@ -140,6 +148,36 @@ def _share(loader: LoaderConfig, stream: IterableDataset, reasons: dict[str, str
         f"comes once an epoch; each {'worker' if n else 'rank'} still reads the whole stream"
         + (f": share it out at the source with get_worker_info() to read 1/{n} each)" if n else ")"))
     return replace(loader, stream_share="dlpipe")
+
+
+def _refuse_dealing_a_share(workers: int, stream: IterableDataset, context: str | None) -> None:
+    """loader.stream_share=dlpipe set for workers, on a stream that shares itself out: each worker would
+    deal out its own share only, keeping 1/workers of it, and the rest would never be trained. Measured
+    (a probe of two workers), as auto measures it: a second reason to set `source` is cheap, a silent
+    loss of most rows is not."""
+    shares, why = shares_itself(stream, context, PROBE_TIMEOUT_S)
+    if shares:
+        raise ConfigError([f"loader.stream_share=dlpipe with loader.num_workers={workers}: {why}: each worker would "
+                           f"deal out its own share only and keep 1/{workers} of it, so most rows would never be "
+                           "trained; set loader.stream_share=source (or auto), or loader.num_workers=0"])
+
+
+def _workers_for_shards(loader: LoaderConfig, stream: IterableDataset, raw_loader: dict,
+                        reasons: dict[str, str]) -> LoaderConfig:
+    """loader.num_workers=auto capped at the shards of a stream that shares its shards out among the
+    workers (a Hugging Face stream's `num_shards`): a worker beyond them starts and stops unread."""
+    shards = getattr(stream, "num_shards", None)
+    if not isinstance(shards, int) or isinstance(shards, bool) or not 0 < shards < loader.num_workers:
+        return loader
+    reasons["loader.num_workers"] = (f"{shards} (auto: the stream has {shards} shard{'s' if shards > 1 else ''} "
+                                     f"(num_shards) and shares them out among the workers: a worker beyond them "
+                                     f"would read nothing; the budget alone would give {loader.num_workers})")
+    loader = replace(loader, num_workers=shards)
+    if policy.is_auto(raw_loader["prefetch_factor"], "auto_prefetch"):
+        follows = prefetch(shards)
+        loader = replace(loader, prefetch_factor=follows.value)
+        reasons["loader.prefetch_factor"] = f"{follows.value} (auto: {follows.reason})"
+    return loader
 
 
 def _readers(workers: int, world: int) -> str:

@@ -163,6 +163,19 @@ def first_fingerprints(stream: IterableDataset, count: int) -> list[str]:
     return [fingerprint(item) for item in itertools.islice(stream, count)]
 
 
+class _ByWorker(IterableDataset):
+    """A stream's items tagged with the worker that yielded them: the probe's view of who read what
+    (a worker that yields nothing leaves no turn of its own in the loader's output)."""
+
+    def __init__(self, stream: IterableDataset):
+        self.stream = stream
+
+    def __iter__(self) -> Iterator:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        return ((worker, item) for item in self.stream)
+
+
 def shares_itself(stream: IterableDataset, context: str | None, timeout_s: float) -> tuple[bool | None, str]:
     """(whether the stream gives each DataLoader worker its own share of the items, why): two worker
     processes read up to PROBE_ITEMS items each, compared with the stream's first items read here.
@@ -170,16 +183,22 @@ def shares_itself(stream: IterableDataset, context: str | None, timeout_s: float
     here = first_fingerprints(stream, PROBE_ITEMS)
     if here != first_fingerprints(stream, PROBE_ITEMS):
         return None, "its first items differ between two passes in this process"
-    loader = SignalSafeLoader(stream, batch_size=None, num_workers=2, multiprocessing_context=context,
+    loader = SignalSafeLoader(_ByWorker(stream), batch_size=None, num_workers=2, multiprocessing_context=context,
                               timeout=timeout_s, worker_init_fn=worker_init_fn())
     by_worker: list[list[str]] = [[], []]
-    for position, item in enumerate(loader):  # the workers take turns, 0, 1, 0, 1, ... while both have items
-        by_worker[position % 2].append(fingerprint(item))
+    # The workers take turns while both have items: 2 x PROBE_ITEMS items are each one's first
+    # PROBE_ITEMS, or all from one worker where the other yields none (the rest is not read).
+    for position, (worker, item) in enumerate(loader):
+        if len(by_worker[worker]) < PROBE_ITEMS:
+            by_worker[worker].append(fingerprint(item))
         if position + 1 == 2 * PROBE_ITEMS:
             break
-    if by_worker[0] == by_worker[1] == here[:len(by_worker[0])] and by_worker[0]:
-        return False, f"2 workers each yielded the stream's first {len(by_worker[0])} items"
-    if by_worker[0] != by_worker[1]:
+    first, second = by_worker
+    if first == second == here[:len(first)] and first:
+        return False, f"2 workers each yielded the stream's first {len(first)} items"
+    if not first or not second:
+        return True, ("one of 2 workers yielded the stream's items and the other none (the stream gives itself to "
+                      "fewer workers, e.g. a Hugging Face stream with fewer shards than workers)")
+    if first != second:
         return True, "2 workers yielded different items (the stream shares itself out by get_worker_info())"
     return None, "2 workers yielded the same items, but not the ones read in this process"
-

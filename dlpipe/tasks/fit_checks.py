@@ -21,10 +21,20 @@ with its mode given (their direction is not known)."""
 
 
 def model_data_mismatch(cfg: DlpipeConfig, batch, error: BaseException) -> str:
-    """One line for a model that fails on a batch of the dataset: both targets and the batch's shapes."""
+    """One line for a model that fails on a batch of the dataset: both targets and the batch's shapes.
+    A field collated into a list (items of Python lists: a Hugging Face dataset without a format) is
+    the data's to fix, not the model's."""
+    fix = ("give tensors, not Python lists (a Hugging Face dataset: .with_format(\"torch\"))" if _has_lists(batch)
+           and "list" in str(error) else "pick a model for this data, or set model.* to fit it")
     return (f"model._target_={cfg.model.get('_target_')} cannot take a batch of dataset._target_="
             f"{cfg.dataset.get('_target_')} ({describe_batch(batch)}): {type(error).__name__}: "
-            f"{first_line(error)[:300]}; pick a model for this data, or set model.* to fit it")
+            f"{first_line(error)[:300]}; {fix}")
+
+
+def _has_lists(batch) -> bool:
+    """Whether a field of the batch (a dict's values, a pair's parts) is a list, not a tensor."""
+    fields = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]
+    return any(isinstance(field, list) for field in fields)
 
 
 def describe_batch(batch) -> str:
