@@ -27,8 +27,8 @@ Per pipeline:
    `measure_candidate` with bench.repeats measurements and a resource sampler), no MLflow; its wall time;
 3. the grid: fetch (batch only where `find_gather` finds a gather) x num_workers 0 and `--workers` x
    worker_method process (prefetch 2,4 x persistent true,false) and thread (prefetch 2,4), plus auto's
-   and tune's picks where outside it; on a stream, processes not persistent only (a stream is read
-   item by item by processes and its set_epoch reaches only workers started anew: `dlpipe tune`'s
+   and tune's picks where outside it; on a stream, item fetch and processes not persistent only (its
+   set_epoch reaches only workers started anew), threads where it reads positions (`dlpipe tune`'s
    dataset_options and automatic_persistence). Every round measures every config once, in a new
    shuffled order; figures are medians over rounds, and every ratio is between medians of this one run. A measurement
    runs `--measure-epochs` of the pipeline's epoch after the warm-up, so it crosses an epoch boundary
@@ -240,16 +240,16 @@ def epoch_rows(dataset) -> int:
     return dataset.num_rows if is_stream(dataset) else len(dataset)
 
 
-def grid(gathers: bool, worker_counts: list[int], stream: bool = False) -> list[Candidate]:
-    """The exhaustive grid; a stream's has neither threads nor persistent workers (they do not apply:
-    threads would share one reader, and set_epoch reaches only workers started anew)."""
+def grid(gathers: bool, worker_counts: list[int], stream: bool = False, threads: bool = True) -> list[Candidate]:
+    """The exhaustive grid; a stream's has no persistent workers (set_epoch reaches only workers started
+    anew), and threads only where they apply (`threads`: a stream that reads positions, dealt by dlpipe)."""
     out = []
     keeps = (False,) if stream else (True, False)
     for fetch in ("item", "batch") if gathers else ("item",):
         out.append(Candidate(0, None, False, False, fetch))
         for n in worker_counts:
             out += [Candidate(n, p, keep, False, fetch, "process") for p in (2, 4) for keep in keeps]
-            if not stream:
+            if threads:
                 out += [Candidate(n, p, False, False, fetch, "thread") for p in (2, 4)]
     return out
 
@@ -308,7 +308,7 @@ def run_pipeline(name: str, args, budget: int, sampler: ResourceSampler) -> tupl
     options = dataset_options(cfg, dataset)
     tuned, search, tune_s = tune(measure, auto, dataset, batch, args, budget, cfg, options,
                                  crosses=args.warmup + batches > per_epoch)
-    configs = grid(options["gathers"], args.worker_counts, stream)
+    configs = grid(options["gathers"], args.worker_counts, stream, not stream or options["tune_threads"])
     pytorch, lightning = Candidate(0, None, False, False), Candidate(lightning_workers(), 2, False, False)
     extras = [c for c in dict.fromkeys((auto, tuned, pytorch, lightning)) if c not in configs]
     order = random.Random(0)
@@ -330,8 +330,9 @@ def run_pipeline(name: str, args, budget: int, sampler: ResourceSampler) -> tupl
 def grid_note(options: dict, stream: bool, share: str | None) -> str:
     """What the grid leaves out, and why."""
     if stream:
-        return (f"a stream dealt by stream_share={share}: fetch item, process workers started anew each epoch; "
-                "tune tries neither threads nor whole-batch fetch")
+        threads = ("process workers started anew each epoch, and threads (it reads any position)"
+                   if options["tune_threads"] else "process workers started anew each epoch; no threads")
+        return f"a stream dealt by stream_share={share}: fetch item, {threads}; tune tries no whole-batch fetch"
     return (f"fetch {'item and batch' if options['gathers'] else 'item only: no gather equals its collate'}"
             f"; tune {'may try threads' if options['tune_threads'] else 'never tries threads: global RNG draws'}")
 
