@@ -5,6 +5,8 @@ Thresholds (documented in docs/telemetry.md):
   uses >= 85% of its CPU budget, more workers cannot help: CPU-budget-bound instead.
 - host-to-device-bound (CUDA only): >= 15% of the epoch is spent blocked in host-to-device copies.
 - compute-bound: neither; the loader keeps up.
+Each is qualified "contended" when the job's threads waited for a CPU a lot (judging.contention); an
+input-bound epoch whose workers waited for a CPU is then not put down to I/O or locks.
 """
 
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from dlpipe.judging.advice import (
     more_workers_gain,
     wait_bound,
 )
+from dlpipe.judging.contention import Contention, contention
 from dlpipe.judging.journal import MIN_GAIN, effective
 from dlpipe.loader import policy
 from dlpipe.machine.hardware import recommended_workers
@@ -51,9 +54,12 @@ class Verdict:
     """The advice as one override (`loader.num_workers=2`), for the sweep to check against its jobs."""
     rough: bool = False
     """The gain is a model's estimate ("about"), not measured and not a hard bound ("up to")."""
+    contended: str = ""
+    """How the job was starved of CPU, when it was (judging.contention): the speed figures understate it."""
 
     def line(self) -> str:
-        text = f"{self.kind}: {self.evidence}" + (f"; {self.advice}" if self.advice else "")
+        text = f"{self.kind}: {self.evidence}" + (f"; contended: {self.contended}" if self.contended else "")
+        text += f"; {self.advice}" if self.advice else ""
         if self.gain is not None:
             how = "" if self.measured else "about " if self.rough else "up to "
             text += f" (expected {how}{gain_text(self.gain)}: {self.basis})"
@@ -93,8 +99,15 @@ def diagnose(metrics: dict[str, float], *, num_workers: int, cpu_budget: int, pi
     """The bottleneck of one epoch (or of a run, given epoch means), with advice that no measurement
     in `evidence` (the probe, the measurement journal) contradicts. `warm`: the metrics leave out the
     first epoch's start-up, so they compare with earlier runs' (judging.journal files such runs)."""
+    starved = contention(metrics, cpu_budget)
     job = Judged(metrics, LoaderState(num_workers, cpu_budget, pin_memory, prefetch_factor, persistent_workers,
-                                      fetch, worker_method), evidence or Evidence(), warm)
+                                      fetch, worker_method), evidence or Evidence(), warm, starved)
+    verdict = _judge(job, device_type)
+    return replace(verdict, contended=starved.text) if starved is not None else verdict
+
+
+def _judge(job: "Judged", device_type: str) -> Verdict:
+    metrics, pin_memory = job.metrics, job.loader.pin_memory
     wait, h2d = metrics.get("data_wait_frac", 0.0), metrics.get("h2d_frac", 0.0)
     if wait >= INPUT_BOUND:
         return _input_bound(job)
@@ -107,7 +120,11 @@ def diagnose(metrics: dict[str, float], *, num_workers: int, cpu_budget: int, pi
             return smaller
         return job.advise("host-to-device-bound", seen, {"pin_memory": True}, "loader.pin_memory=true", free,
                           lambda f: replace(smaller, evidence=f"{seen}; pinning is no answer here ({f.basis})"))
-    return Verdict("compute-bound", f"the loader keeps up (data wait {wait:.0%})", "")
+    keeps_up = f"the loader keeps up (data wait {wait:.0%})"
+    if job.starved is not None and "cpu_s_per_sample" in metrics:  # samples/s fall with contention, this does not
+        keeps_up += (f"; samples/s understate the job here: it spent {metrics['cpu_s_per_sample'] * 1e3:.3g} ms "
+                     "of CPU a sample")
+    return Verdict("compute-bound", keeps_up, "")
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,7 @@ class Judged:
     loader: LoaderState
     evidence: Evidence
     warm: bool = True
+    starved: Contention | None = None
 
     def advise(self, kind: str, seen: str, change: dict, override: str, estimate: tuple,
                otherwise: Callable[[Finding], Verdict]) -> Verdict:
@@ -158,6 +176,10 @@ def _input_bound(job: Judged) -> Verdict:
         return job.advise("input-bound", seen, {"num_workers": target}, f"loader.num_workers={target}",
                           (gain, basis, workers > 0 or cost is not None),
                           lambda f: _no_answer(seen, f"loader.num_workers={target}", f, wait))
+    if job.starved is not None:  # not I/O or locks: the workers were runnable, waiting for a CPU
+        return Verdict("input-bound", f"data wait {wait:.0%} with workers at the {budget}-CPU budget and the job's "
+                       f"CPU at {cpu or 0:.0f}% of it: items wait for a CPU, not for I/O or locks",
+                       job.starved.advice(), wait_bound(wait), FREE_DATA)
     prefetch = 2 * policy.prefetch_in_effect(workers, job.loader.prefetch_factor)
     seen = (f"data wait {wait:.0%} with workers at the {budget}-CPU budget but CPU not saturated: items wait on "
             "I/O or locks (read faster storage, or keep more batches in flight)")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from dlpipe.machine import gpu, hardware
+from dlpipe.telemetry.contention import ContentionMeter
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,14 @@ class EpochClock:
     samples: int = 0
     batches: int = 0
     step_times: list[float] = field(default_factory=list)
+    cpu_s: Callable[[], float | None] | None = None
+    """The job's cumulative CPU seconds (ResourceSampler.tree_cpu_s), for `cpu_s_per_sample`."""
     _mark: float = 0.0
+    _cpu_start: float | None = None
 
     def __post_init__(self):
         self._mark = self.started
+        self._cpu_start = self.cpu_s() if self.cpu_s is not None else None
 
     def waited(self) -> None:
         """The loader just handed over a batch: everything since the last mark was waiting."""
@@ -70,6 +75,10 @@ class EpochClock:
         if self.h2d_s is not None:
             out["h2d_s"] = self.h2d_s
             out["h2d_frac"] = min(self.h2d_s / elapsed, 1.0)
+        cpu_end = self.cpu_s() if self._cpu_start is not None else None
+        if cpu_end is not None and self.samples:
+            # CPU per sample holds on a machine where others take CPUs: samples/s does not
+            out["cpu_s_per_sample"] = max(cpu_end - self._cpu_start, 0.0) / self.samples
         if len(self.step_times) >= 2:
             q = statistics.quantiles(self.step_times, n=20)  # 5% steps: q[9] = p50, q[18] = p95
             out["step_time_p50_ms"] = q[9] * 1e3
@@ -105,7 +114,7 @@ class ResourceSampler:
 
     def __init__(
         self, interval_s: float = 0.5, cpu_budget: int | None = None, gpu_index: int | str | None = None,
-        thread_cpu: Callable[[], float] | None = None,
+        thread_cpu: Callable[[], float] | None = None, contention: ContentionMeter | None = None,
     ):
         self.interval_s = interval_s
         self._thread_cpu = thread_cpu
@@ -124,6 +133,7 @@ class ResourceSampler:
         self._nvml = None
         self._gpu_index = gpu_index  # an NVML index or UUID, passed through to gpu.Nvml
         self.gpu_status = "not requested"
+        self.contention = contention or ContentionMeter()
 
     def start(self) -> "ResourceSampler":
         if self._gpu_index is not None:
@@ -134,6 +144,7 @@ class ResourceSampler:
                 self.gpu_status = f"not available: {e}"
         # Baseline: CPU already spent (ours, live children's, reaped children's) is not ours to report.
         self._sample()
+        self.contention.start()  # after the sample: the threads' waits so far are not this run's either
         with self._lock:
             self._samples.clear()
         self._thread = threading.Thread(target=self._run, name="dlpipe-sampler", daemon=True)
@@ -152,9 +163,10 @@ class ResourceSampler:
         while not self._stop.wait(self.interval_s):
             self._sample()
 
-    def _read_tree(self) -> tuple[float, float, int, int, int]:
+    def _read_tree(self) -> tuple[float, float, int, int, int, dict[str, list[int]]]:
         """Cumulative CPU seconds of (this process, its descendants and worker threads), the
-        descendants' total and largest RSS in bytes, and how many of them are DataLoader workers.
+        descendants' total and largest RSS in bytes, how many of them are DataLoader workers, and the
+        tree's pids by contention.GROUPS.
 
         A descendant's CPU is in exactly one place: its own times while it is listed, its reaper's
         children times once it was reaped (DataLoader joins its workers; forkserver workers are
@@ -166,9 +178,11 @@ class ResourceSampler:
         main = t.user + t.system - threads
         descendants = t.children_user + t.children_system + threads
         rss = biggest = workers = 0
+        pids: dict[str, list[int]] = {"main": [self._proc.pid], "workers": [], "other": []}
         for p in self._proc.children(recursive=True):
             try:
                 if self._is_tracking(p):
+                    pids["other"].append(p.pid)
                     continue  # dlpipe's tracking process: neither the loader's CPU nor its memory
                 c = p.cpu_times()
                 helper = self._is_helper(p)
@@ -177,11 +191,21 @@ class ResourceSampler:
                 continue  # exited after the listing: _sample's high-water mark covers the gap
             # A helper's CPU still counts: the forkserver's children times hold its reaped workers'.
             descendants += c.user + c.system + c.children_user + c.children_system
+            pids["workers"].append(p.pid)
             if not helper:
                 rss += own
                 biggest = max(biggest, own)
                 workers += 1
-        return main, descendants, rss, biggest, workers
+        return main, descendants, rss, biggest, workers, pids
+
+    def tree_cpu_s(self) -> float | None:
+        """CPU seconds the main process and its workers (live or reaped) have used so far; None if unread."""
+        try:
+            with self._sample_lock:
+                main, descendants, *_ = self._read_tree()
+        except psutil.Error:
+            return None
+        return main + descendants
 
     def _is_tracking(self, p: psutil.Process) -> bool:
         """dlpipe's tracking process (tracking.sidecar), told by its command line. Cached by pid."""
@@ -208,12 +232,13 @@ class ResourceSampler:
     def _sample_locked(self) -> None:
         now = time.monotonic()
         try:
-            main_total, workers_total, rss_workers, rss_biggest, n_workers = self._read_tree()
+            main_total, workers_total, rss_workers, rss_biggest, n_workers, pids = self._read_tree()
             rss = self._proc.memory_info().rss
         except psutil.Error as e:
             # Not expected for our own process; skipping is safe: the next sample's deltas cover this span.
             log.debug("resource sample skipped: %s", e)
             return
+        self.contention.sample(pids)
         elapsed = max(now - self._last_t, 1e-6)
         self._last_t = now
         # The process's times tick at 10 ms and the threads' count in nanoseconds, so the main
@@ -271,6 +296,8 @@ class ResourceSampler:
             "cpu_util": 100.0 * (main + workers) / (span * self.cpu_budget),
             "cpu_main_pct": 100.0 * main / span,
             "cpu_workers_pct": 100.0 * workers / span,
+            # how much the job was starved of CPU, and by whom (telemetry.contention)
+            **self.contention.window(sum(s["elapsed_s"] for s in samples), main + workers),
         }
         for key in LEVEL_KEYS:
             weighted = [(s[key], s["elapsed_s"]) for s in samples if key in s]

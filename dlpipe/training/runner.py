@@ -166,10 +166,10 @@ class Trainer:
         total = self._batches_per_epoch(loader)
         progress = Progress(epoch, s.epochs, total, enabled=s.progress)
         iterator, done = self._start_epoch(loader, epoch)
-        # Copies are timed off the CPU only: pageable copies block here, pinned non_blocking ones
-        # only enqueue, so the time measured is what the host really waits for. The clock starts
-        # after the replay of a resumed epoch: the skipped batches are not this epoch's time.
-        clock = EpochClock(h2d_s=0.0 if self.device.type != "cpu" else None)
+        # Copies are timed off the CPU only: pageable copies block, pinned non_blocking ones only enqueue. The
+        # clock and its CPU count start after a resumed epoch's replay: the skipped batches are not this epoch's.
+        clock = EpochClock(h2d_s=0.0 if self.device.type != "cpu" else None,
+                           cpu_s=self.sampler.tree_cpu_s if self.sampler is not None else None)
         non_blocking = non_blocking_copies(self.device, loader)
         window = Window(s.accumulate, getattr(loader, "batch_size", None))
         sums = (self.epoch_loss, self.step_log.pending)  # on the device: no sync per step

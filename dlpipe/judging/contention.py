@@ -1,0 +1,82 @@
+"""Whether an epoch was starved of CPU, and by whom, from telemetry.contention's figures: the verdict
+says "contended" with it and qualifies its speed verdicts.
+
+Thresholds (documented in docs/telemetry.md, measured on a 2-CPU machine, 2026-12-06):
+- contended: the job's threads waited for a CPU (runnable, not running) for at least a quarter of its
+  budget's time: `run_queue_s_per_s >= 0.25 x cpu_budget`. On that machine the smoke recipe's threads
+  waited 0.69-1.11 s per second beside two other engineers' test runs and 1.12-1.39 with two busy
+  loops added (its own CPU use 16-48% of the budget); the starved workers of issue 32 waited 1.19.
+  Without schedstat files, CPU pressure (PSI "some") over 50% of the epoch stands in for it.
+- from outside: other processes used >= 25% of the job's CPUs (`cpu_others_frac`), or the hypervisor
+  took >= 10% (`cpu_steal_frac`).
+- from inside: the job's threads wanted more CPUs than its budget: CPU used plus run-queue wait, per
+  second, above the budget (the main process's intra-op threads against its own workers).
+Every rule reads one epoch's figures only: the same figures give the same words in every epoch.
+"""
+
+from dataclasses import dataclass
+
+RUN_QUEUE_CONTENDED = 0.25
+"""Run-queue wait per wall second, per CPU of the budget, from which an epoch is contended."""
+PRESSURE_CONTENDED = 0.50
+OTHERS_BUSY = 0.25
+STEAL_BUSY = 0.10
+
+
+@dataclass(frozen=True)
+class Contention:
+    """An epoch starved of CPU: the figures that say so, and where the wait came from."""
+
+    text: str
+    outside: bool
+    inside: bool
+
+    def advice(self) -> str:
+        """What helps when items wait for a CPU rather than for I/O: neither workers nor prefetch."""
+        fixes = []
+        if self.inside:
+            fixes.append("fewer threads than the budget: one intra-op thread in the main process "
+                         "(OMP_NUM_THREADS=1 or torch.set_num_threads(1)) or one worker fewer")
+        if self.outside or not self.inside:
+            fixes.append("CPUs of the job's own (fewer jobs on these CPUs, a cgroup or taskset of its own)")
+        return (f"more workers or prefetch cannot help while the workers wait for a CPU: {'; or '.join(fixes)}; "
+                "compare runs by cpu_s_per_sample, which contention does not move")
+
+
+def contention(metrics: dict[str, float], cpu_budget: int) -> Contention | None:
+    """The epoch's contention, or None when its figures do not reach the thresholds (or are absent)."""
+    budget = max(cpu_budget, 1)
+    queue = metrics.get("run_queue_s_per_s")
+    pressure = metrics.get("cpu_pressure_frac")
+    steal = metrics.get("cpu_steal_frac") or 0.0
+    others = metrics.get("cpu_others_frac")
+    if queue is not None:
+        starved = queue >= RUN_QUEUE_CONTENDED * budget
+    else:
+        starved = pressure is not None and pressure >= PRESSURE_CONTENDED
+    if not (starved or steal >= STEAL_BUSY):
+        return None
+    parts = []
+    if queue is not None:
+        split = [f"{who} {metrics[key]:.2f}" for who, key in (("workers", "run_queue_workers_s_per_s"),
+                                                               ("main process", "run_queue_main_s_per_s"))
+                 if metrics.get(key)]
+        parts.append(f"the job's threads waited for a CPU {queue:.2f} s per second"
+                     + (f" ({', '.join(split)})" if len(split) > 1 else "") + f" on a {budget}-CPU budget")
+    if pressure is not None:
+        parts.append(f"CPU pressure {pressure:.0%} of the time")
+    outside = (others is not None and others >= OTHERS_BUSY) or steal >= STEAL_BUSY
+    used = metrics.get("cpu_util", 0.0) / 100 * budget
+    wanted = used + (queue or 0.0)
+    inside = queue is not None and wanted > budget
+    sources = []
+    if outside:
+        took = [f"other processes used {others:.0%} of its CPUs" if others is not None and others >= OTHERS_BUSY
+                else "", f"the hypervisor took {steal:.0%} (steal)" if steal >= STEAL_BUSY else ""]
+        sources.append("from outside the job: " + " and ".join(t for t in took if t))
+    if inside:
+        sources.append(f"from inside the job: its threads wanted {wanted:.1f} CPUs ({used:.1f} used + {queue:.1f} "
+                       f"waiting) of its {budget}")
+    if not sources and others is not None:
+        sources.append(f"other processes used {others:.0%} of its CPUs")
+    return Contention("; ".join(parts + sources), outside, inside)
