@@ -65,6 +65,7 @@ from benchmarks.common import finish  # noqa: E402
 from benchmarks.loader_backends import PythonAugmented, automatic, grid, lightning_workers, tune  # noqa: E402
 from benchmarks.options import arguments, checked, worker_counts  # noqa: E402
 from dlpipe.data.vision import SyntheticJPEGDataset  # noqa: E402
+from dlpipe.loader import torch_threads  # noqa: E402
 from dlpipe.loader.build import build_loader  # noqa: E402
 from dlpipe.loader.faults import NamedErrors  # noqa: E402
 from dlpipe.loader.search import Candidate, measure_candidate  # noqa: E402
@@ -407,7 +408,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--explain", action="store_true",
                    help="instead of the comparison: where loader=auto's data wait goes at --explain-ms on the jpeg "
                         "pipeline (2 processes, prefetch 2, persistent, and auto's own pick; torch's intra-op threads "
-                        "in the main process as torch sets them, and 1), --held-out rounds")
+                        "in the main process as torch sets them, and as trainer.torch_threads's rule sets them), "
+                        "--held-out rounds")
     p.add_argument("--explain-ms", type=float, default=20.0, help="the step time --explain measures at (default 20)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs, its figures mean nothing")
     args = checked(p, argv, counts=("held_out", "epochs", "images", "python_ops", "queue_depth", "repeats"),
@@ -603,12 +605,15 @@ def main(argv=None) -> int:
 
 def explain(args, budget: int, sampler: ResourceSampler) -> list[str]:
     """Where the data wait goes at one step time: the same loaders with the main process's torch
-    threads as torch sets them and with 1, side by side, with run-queue waits and CPU pressure."""
+    threads as torch sets them and as trainer.torch_threads's rule sets them (dlpipe.loader.torch_threads),
+    side by side, with run-queue waits and CPU pressure."""
     dataset, what = build("jpeg", args)
     auto, _, _ = automatic(dataset, BATCH, budget)
     issue = Candidate(2, 2, True, False)  # loader=auto as issue 32 saw it: 2 processes, prefetch 2, persistent
     default = torch.get_num_threads()
-    runs = {(c, t): None for c in dict.fromkeys((issue, auto)) for t in (default, 1)}
+    rule = torch_threads.rule_for(budget)  # trainer.torch_threads as dlpipe decides it for each loader
+    runs = {(c, t): None for c in dict.fromkeys((issue, auto))
+            for t in dict.fromkeys((default, rule(c.num_workers, c.worker_method).value))}
     measured = Measured()
     step = args.explain_ms
 
@@ -616,18 +621,23 @@ def explain(args, budget: int, sampler: ResourceSampler) -> list[str]:
         return train(c, dataset, step, args, sampler, threads)
 
     measure_rounds(run, measured, list(runs), args.held_out, random.Random(0), "explain")
+    said = {c: rule(c.num_workers, c.worker_method) for c, _ in runs}
     lines = [f"### where the data wait goes: {what}, batch {BATCH}, a {step:g} ms step", "",
              f"{math.ceil(len(dataset) / BATCH)} batches an epoch, {args.epochs} epochs a run (the first left out; "
              f"the run-queue columns cover every epoch); {args.held_out} rounds, medians. Run-queue and pressure "
              "columns are seconds per wall second: the main process's threads and the workers waiting, runnable, "
-             "for a CPU (/proc/PID/task/*/schedstat), and the machine's CPU pressure (/proc/pressure/cpu, some).",
+             "for a CPU (/proc/PID/task/*/schedstat), and the machine's CPU pressure (/proc/pressure/cpu, some). "
+             "Torch threads: torch's default, and trainer.torch_threads's automatic value for the loader ("
+             + "; ".join(f"{c.label()}: {d.value}, {d.reason}" for c, d in said.items()) + ").",
              "", "| loader | torch threads (main) | device busy | samples/s | data wait (runner) "
              "| of it, first batches | host blocked on device | CPU % main / workers | run queue main / workers "
              "| CPU pressure |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c, threads in runs:
         m = lambda what, key=(c, threads): measured.median(key, what)  # noqa: E731
-        lines.append(f"| {c.label()} | {threads} | {m('busy'):.3f} | {m('samples_per_s'):.0f} | "
+        which = " ".join(w for w, t in (("(torch's default)", default), ("(auto rule)", said[c].value))
+                         if t == threads)
+        lines.append(f"| {c.label()} | {threads} {which} | {m('busy'):.3f} | {m('samples_per_s'):.0f} | "
                      f"{100 * m('data_wait'):.1f}% | {100 * m('first_batch'):.1f}% | {100 * m('blocked'):.1f}% | "
                      f"{m('cpu_main'):.0f} / {m('cpu_workers'):.0f} | {m('main_runq'):.2f} / {m('workers_runq'):.2f} "
                      f"| {m('pressure'):.2f} |")

@@ -290,7 +290,7 @@ def test_explain_marks_auto_and_user_values():
     assert why["loader.prefetch_factor"].startswith("2 (auto: 3 workers")
     assert why["loader.pin_memory"].startswith("False (auto:") or why["loader.pin_memory"].startswith("True (auto:")
     assert set(why) == {"loader.num_workers", "loader.pin_memory", "loader.prefetch_factor",
-                        "loader.persistent_workers", "trainer.device", "trainer.amp"}
+                        "loader.persistent_workers", "trainer.device", "trainer.amp", "trainer.torch_threads"}
 
 
 def test_shipped_folders_are_found():

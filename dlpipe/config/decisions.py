@@ -8,12 +8,13 @@ from functools import lru_cache
 
 from dlpipe.config import sharing
 from dlpipe.config.sources import Origin
-from dlpipe.loader import policy
+from dlpipe.loader import policy, torch_threads
 from dlpipe.loader.decisions import Decision, persistent, prefetch
 from dlpipe.machine import hardware
 
-# Imported inside functions: torch (seconds), only when a resolver asks a CUDA question: the config layer
-# never imports it, so `dlpipe --help` and printing an unresolved config do not pay for it.
+# Imported inside functions: torch (seconds), only when a resolver asks a CUDA question or for torch's
+# threads: the config layer never imports it, so `dlpipe --help` and printing an unresolved config do not
+# pay for it.
 
 
 @lru_cache(maxsize=1)
@@ -69,6 +70,13 @@ def amp(device: str) -> Decision:
     return Decision("fp16", "GPU lacks bfloat16: fp16 with a GradScaler")
 
 
+def intra_op_threads(num_workers) -> Decision:
+    """trainer.torch_threads for this rank's CPU budget and the configured workers (their method is
+    decided once the dataset is built: tasks settle it again there)."""
+    budget = hardware.cpu_budget().budget
+    return torch_threads.decide(budget, int(num_workers), None, torch_threads.torch_default())
+
+
 # Config key -> (resolver name, how to recompute its decision from the resolved config).
 _AUTO_KEYS = {
     "loader.num_workers": ("auto_workers", lambda cfg: workers()),
@@ -83,6 +91,7 @@ _AUTO_KEYS = {
     ),
     "trainer.device": ("auto_device", lambda cfg: device()),
     "trainer.amp": ("auto_amp", lambda cfg: amp(cfg["trainer"]["device"])),
+    "trainer.torch_threads": (torch_threads.RESOLVER, lambda cfg: intra_op_threads(cfg["loader"]["num_workers"])),
 }
 
 

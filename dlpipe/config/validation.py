@@ -77,6 +77,9 @@ def _check_trainer(c: TrainerConfig) -> list[str]:
         p.append(f"trainer.val_fraction={c.val_fraction}: must be in [0, 1)")
     if c.log_every < 1:
         p.append(f"trainer.log_every={c.log_every}: must be >= 1")
+    if c.torch_threads is not None and c.torch_threads < 1:
+        p.append(f"trainer.torch_threads={c.torch_threads}: must be >= 1 (torch's intra-op threads in each training "
+                 "process), or leave it out for the automatic value")
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", c.device):
         p.append(f"trainer.device={c.device}: allowed: cpu, cuda, cuda:N, mps")
     stop = c.early_stopping

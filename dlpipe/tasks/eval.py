@@ -11,6 +11,7 @@ import logging
 import torch
 
 from dlpipe.errors import ConfigError
+from dlpipe.loader import torch_threads
 from dlpipe.loader.faults import NamedErrors
 from dlpipe.loader.fetch import item_collate
 from dlpipe.loader.fitting import build_loaders
@@ -42,6 +43,10 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     # Scored with validation's loader (in order, every sample, no augmentation): the numbers match
     # the training run's; the training loader built beside it is never iterated.
     _, plan = build_loaders(cfg, train_set, split)
+    # the threads training's validation ran with (its loader has the same workers): the same reductions
+    torch_threads.settle(raw["trainer"], cfg.trainer, plan.loader.num_workers, plan.worker_method,
+                         hardware.cpu_budget().budget, decided)
+    torch_threads.apply(cfg.trainer.torch_threads)
     objective, metrics = build_objective_and_metrics(cfg, model, split, item_collate(plan.loader))
     weights = init_weights(model, cfg.checkpoint.init_from)
     device = torch.device(cfg.trainer.device)

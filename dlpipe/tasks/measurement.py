@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dlpipe.loader import torch_threads
 from dlpipe.loader.fitting import build_loaders, fit_loader, warn_about_loaders
 from dlpipe.loader.threads import fetch_cpu_seconds
 from dlpipe.machine import hardware
@@ -33,6 +34,7 @@ class Measurement:
     sampler: object  # telemetry.sampler.ResourceSampler
     budget: hardware.CpuBudget
     decided: dict[str, str]  # each hardware-aware value with its source (preflight, fitted to the data)
+    auto_threads: bool = False  # trainer.torch_threads left to the rule: tune decides it per candidate
 
 
 def prepare_measurement(ctx: JobContext, raw: dict, resolved: dict) -> Measurement:
@@ -46,10 +48,15 @@ def prepare_measurement(ctx: JobContext, raw: dict, resolved: dict) -> Measureme
         step = measured_train_step(cfg, *build_model(cfg, dataset))
     plan, _ = build_loaders(cfg, train_set, None)
     budget = hardware.cpu_budget()
+    # As training sets them for this loader: the measured step (bench.mode=train) and the main process's
+    # part of fetching run with the threads a run would have.
+    torch_threads.settle(raw["trainer"], cfg.trainer, plan.loader.num_workers, plan.worker_method, budget.budget,
+                         decided)
+    torch_threads.apply(cfg.trainer.torch_threads)
     warn_about_loaders(cfg, train_set, (plan,), budget.budget)
     sampler = ResourceSampler(cfg.telemetry.sample_interval_s, budget.budget, gpu_for(cfg.trainer.device),
                               thread_cpu=fetch_cpu_seconds)
-    return Measurement(cfg, train_set, plan, step, sampler, budget, decided)
+    return Measurement(cfg, train_set, plan, step, sampler, budget, decided, torch_threads.is_auto(raw["trainer"]))
 
 
 def measured_train_step(cfg: DlpipeConfig, model, optimizer):

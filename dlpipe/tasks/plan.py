@@ -14,7 +14,7 @@ from dlpipe.config.decisions import explain
 from dlpipe.config.validation import validate
 from dlpipe.judging.advice import MODES
 from dlpipe.judging.evidence import measurement_file
-from dlpipe.loader import policy
+from dlpipe.loader import policy, torch_threads
 from dlpipe.loader.build import EpochOrder
 from dlpipe.loader.fitting import build_loaders, fit_loader_to_data, loader_notes
 from dlpipe.loader.lint import lint_job
@@ -28,7 +28,7 @@ from dlpipe.tasks.preflight import JobContext
 from dlpipe.training.distributed import ranks_from_env
 from dlpipe.training.rng import seed_everything
 
-DEVICE_KEYS = ("trainer.device", "trainer.amp")
+TRAINER_KEYS = ("trainer.device", "trainer.amp", torch_threads.KEY)
 
 
 def run(ctx: JobContext, raw: dict, resolved: dict) -> None:
@@ -42,6 +42,9 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> None:
     decided.update(fitted)
     plans = build_loaders(cfg, train_set, val_set, world=world)
     budget = hardware.cpu_budget().budget
+    # as the run decides them once its loader's workers are final (it sets them; plan only says them)
+    torch_threads.settle(raw["trainer"], cfg.trainer, plans[0].loader.num_workers, plans[0].worker_method, budget,
+                         decided, say=False)
     lint = lint_job(cfg, size_of(train_set), plans[0].batch_bytes, budget, reads_positions(train_set),
                     buffer_bytes(train_set))
     if ranks_from_env().is_main:  # trainer.devices=N plans as N torchrun ranks (each rank's share): said once
@@ -73,14 +76,15 @@ def report(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str
 
 
 def value_lines(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str]) -> list[str]:
-    """'KEY = VALUE (SOURCE)' for each loader key, then the device settings: automatic ones with the
-    reason they were decided on (fitted to the data included), the others with where they were set."""
+    """'KEY = VALUE (SOURCE)' for each loader key, then the trainer's hardware-aware settings: automatic
+    ones with the reason they were decided on (fitted to the data included), the others with where
+    they were set."""
     lines = []
     for name, value in recorded_config(cfg)["loader"].items():  # secrets masked, as everywhere dlpipe shows them
         key = f"loader.{name}"
         said = decided.get(key) or f"{value} ({ctx.origin.source(key, raw['loader'].get(name))})"
         lines.append(f"{key} = {said}")
-    lines += [f"{key} = {decided[key]}" for key in DEVICE_KEYS]
+    lines += [f"{key} = {decided[key]}" for key in TRAINER_KEYS]
     return lines
 
 

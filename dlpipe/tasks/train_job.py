@@ -18,6 +18,7 @@ from dlpipe.judging.advice import Evidence
 from dlpipe.judging.evidence import gather, measurement_file, settings_of
 from dlpipe.judging.journal import MeasurementFile
 from dlpipe.judging.verdict import diagnose, rss_slope, run_metrics, worker_leak
+from dlpipe.loader import torch_threads
 from dlpipe.loader.build import LoaderPlan
 from dlpipe.loader.faults import explain_loader_failure
 from dlpipe.loader.fetch import fetch_mode, item_collate
@@ -263,6 +264,11 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     batches = epoch_batches(train_plan.loader, cfg.trainer.limit_train_batches)
     schedule = build_scheduler(cfg, optimizer, optimizer_steps(batches, cfg.trainer.accumulate))
     budget = hardware.cpu_budget()
+    # The loader's workers are final here (the fit may have changed them): the threads follow them, and
+    # are set before the first step (and before the resume's weights are loaded).
+    torch_threads.settle(raw["trainer"], cfg.trainer, train_plan.loader.num_workers, train_plan.worker_method,
+                         budget.budget, decided)
+    torch_threads.apply(cfg.trainer.torch_threads)
     if ranks.is_main:
         warn_about_loaders(cfg, train_set, (train_plan, val_plan), budget.budget)
     # Ranks' samples/s add up: a journal of single-process runs would compare it against the wrong thing.

@@ -17,7 +17,7 @@ import yaml
 
 from dlpipe.errors import DlpipeError
 from dlpipe.judging.evidence import bench_mode, measurement_file
-from dlpipe.loader import policy, worker_method
+from dlpipe.loader import policy, torch_threads, worker_method
 from dlpipe.loader.build import NORMALISED, normalise
 from dlpipe.loader.fetch import find_gather
 from dlpipe.loader.fitting import build_collate, loader_settings
@@ -57,7 +57,9 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
         parent.log_params({**config_params(cfg, plan, job.decided, "loader", "bench"),
                            **hardware.host_facts(cpu=budget)})
         done: dict[Candidate, Trial] = {}  # every trial as soon as it is measured: a stop still reports it
-        evaluate = evaluator(cfg, parent, tags, job.train_set, plan.batch_bytes, sampler, job.step, done)
+        # A trial runs with the threads a run of its loader would get (trainer.torch_threads automatic).
+        threads = torch_threads.rule_for(budget.budget) if job.auto_threads else None
+        evaluate = evaluator(cfg, parent, tags, job.train_set, plan.batch_bytes, sampler, job.step, done, threads)
         search = Search(evaluate, bench.min_gain, max_workers,
                         tune_persistent=crosses_epochs and cfg.trainer.epochs > 1, tune_pin=cuda,
                         seed_workers=hardware.recommended_workers(budget.budget),
@@ -139,9 +141,11 @@ def automatic_persistence(raw: dict, cfg: DlpipeConfig, train_set):
 
 
 def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_bytes: int, sampler, step,
-              done: dict[Candidate, Trial]):
+              done: dict[Candidate, Trial], threads=None):
     """evaluate(candidate) -> Trial for the search: the memory guard, the measurement, a log line
-    and a child MLflow run per measured candidate; each trial also goes into `done` once measured."""
+    and a child MLflow run per measured candidate; each trial also goes into `done` once measured.
+    `threads`: (workers, worker_method) -> the torch threads Decision a trial runs with (None: the
+    job's trainer.torch_threads)."""
     bench, tracking = cfg.bench, cfg.tracking
     settings = loader_settings(cfg.loader)  # loader.collate_fn built: every candidate collates like the job
     cuda = cfg.trainer.device.startswith("cuda")
@@ -154,8 +158,10 @@ def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_
             log.warning("tune: skip %s: %s", c.label(), why)
             done[c] = Trial(c, skipped=why)
             return done[c]
-        trial = measure_candidate(c, train_set, settings, bench.batches, bench.warmup_batches, bench.repeats,
-                                  cfg.trainer.seed, cuda, sampler, step)
+        with torch_threads.using(threads(c.num_workers, c.worker_method).value if threads else
+                                 cfg.trainer.torch_threads):
+            trial = measure_candidate(c, train_set, settings, bench.batches, bench.warmup_batches, bench.repeats,
+                                      cfg.trainer.seed, cuda, sampler, step)
         done[c] = trial
         worker_rss[0] = max(worker_rss[0], trial.metrics.get("worker_rss_mean_mb", 0.0) * 2**20)
         journal.append({**c.settings(), "pin_memory": c.pin_memory and cuda}, trial.samples_per_s, "dlpipe tune")
