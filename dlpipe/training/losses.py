@@ -23,9 +23,10 @@ class CrossEntropy(nn.Module):
         self.label_smoothing, self.ignore_index = label_smoothing, ignore_index
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        target = target.reshape(-1)
-        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target, reduction="sum",
-                                ignore_index=self.ignore_index, label_smoothing=self.label_smoothing)
+        if logits.dim() != 2 or target.dim() != 1:  # token level: one row per position (a view each)
+            logits, target = logits.reshape(-1, logits.size(-1)), target.reshape(-1)
+        total = F.cross_entropy(logits, target, reduction="sum", ignore_index=self.ignore_index,
+                                label_smoothing=self.label_smoothing)
         # The mean over the targets that count; a batch of padding only is 0, not 0/0 = NaN.
         return total / (target != self.ignore_index).sum().clamp(min=1)
 

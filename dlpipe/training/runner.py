@@ -191,7 +191,8 @@ class Trainer:
             with nullcontext() if steps_now or self.net is self.model else self.net.no_sync():
                 with self._autocast():
                     loss = self.objective.loss(*self.objective.forward(self.net, batch))
-                self.scaler.scale(loss * scale).backward()
+                # a full window of full batches scales by 1: no multiply, and no node for backward to visit
+                self.scaler.scale(loss if scale == 1 else loss * scale).backward()
             self.first_step.after()
             self.guard.add(loss.detach(), n, sums)
             if steps_now:
