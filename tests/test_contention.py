@@ -11,6 +11,7 @@ from dlpipe.judging.verdict import diagnose
 from dlpipe.machine import cpu_pressure
 from dlpipe.telemetry.contention import ContentionMeter
 from dlpipe.telemetry.sampler import EpochClock, ResourceSampler
+from dlpipe.tracking.metric_names import mlflow_name
 
 TICK = os.sysconf("SC_CLK_TCK")
 PSI = "some avg10=1.00 avg60=2.00 avg300=3.00 total={}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
@@ -205,6 +206,8 @@ def test_a_job_that_wants_more_than_its_budget_is_contended_from_inside():
     line = judge(epoch(0.3, **own))
     assert "from inside the job: its threads wanted 2.5 CPUs (1.6 used + 0.9 waiting) of its 2" in line
     assert "from outside" not in line and "OMP_NUM_THREADS=1" in line
+    at_budget = {**own, "cpu_util": 55.0}  # 1.1 used + 0.9 waiting: 2.0 CPUs wanted, the budget itself
+    assert "from inside" not in judge(epoch(0.3, **at_budget))
 
 
 def test_compute_bound_is_qualified_with_the_cpu_per_sample():
@@ -252,15 +255,15 @@ def test_a_cli_run_records_the_contention_figures_every_epoch(dlpipe, mlflow_cli
     assert r.returncode == 0, r.stderr
     [run] = runs_of(mlflow_client, "contention-e2e")
     names = set(run.data.metrics)
-    assert not any(n.startswith("system/") and n.removeprefix("system/") in FIGURES for n in names)
+    assert not any(mlflow_name(key).startswith("system/") for key in ("cpu_s_per_sample", *FIGURES))
     for key in ("cpu_s_per_sample", *FIGURES):
         if key != "cpu_s_per_sample" and not kernel_has(key):
-            assert key not in names
+            assert mlflow_name(key) not in names
             continue
-        history = epoch_history(mlflow_client, run.info.run_id, key)
+        history = epoch_history(mlflow_client, run.info.run_id, mlflow_name(key))
         assert [e for e, _ in history] == [1, 2], key
         for _, value in history:
             assert value >= 0, key
             if key.endswith("_frac"):
                 assert value <= 1, key
-    assert all(v > 0 for _, v in epoch_history(mlflow_client, run.info.run_id, "cpu_s_per_sample"))
+    assert all(v > 0 for _, v in epoch_history(mlflow_client, run.info.run_id, mlflow_name("cpu_s_per_sample")))

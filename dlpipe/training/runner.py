@@ -166,8 +166,7 @@ class Trainer:
         total = self._batches_per_epoch(loader)
         progress = Progress(epoch, s.epochs, total, enabled=s.progress)
         iterator, done = self._start_epoch(loader, epoch)
-        # Copies are timed off the CPU only: pageable copies block, pinned non_blocking ones only enqueue. The
-        # clock and its CPU count start after a resumed epoch's replay: the skipped batches are not this epoch's.
+        # Copies timed off the CPU only (pinned non_blocking ones just enqueue); the clock skips a resume's replay.
         clock = EpochClock(h2d_s=0.0 if self.device.type != "cpu" else None,
                            cpu_s=self.sampler.tree_cpu_s if self.sampler is not None else None)
         non_blocking = non_blocking_copies(self.device, loader)
