@@ -11,7 +11,10 @@ read from one DataLoader over tensors in memory (num_workers=0), on the CPU:
 - B: `dlpipe.training.runner.Trainer` with an MLflow run (SQLite in a temporary folder) as its metrics sink
   and a running `ResourceSampler`, default log_every (50), no progress bar; timed: building the
   trainer, starting and stopping the sampler and fit() (which writes the metrics at the epoch end).
-  Creating and ending the MLflow run are per-run constants, reported on their own;
+  The run is kept by a tracking process, as a `dlpipe` job keeps it (`--tracking process`: the loop
+  only hands rows to a pipe), or in this process (`--tracking inline`: the loop's thread writes
+  SQLite itself, as before 2026-12-06). Creating and ending the MLflow run (and starting the tracking
+  process) are per-run constants, reported on their own;
 - C: `lightning.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
   enable_model_summary=False)` with a minimal LightningModule; `fit()` is timed whole.
 Two models: a small MLP (about 1 ms a step here) and a small CNN; each with accumulation 1 and 4.
@@ -44,6 +47,7 @@ from dlpipe.models.mlp import MLP  # noqa: E402
 from dlpipe.schema import TrainerConfig  # noqa: E402
 from dlpipe.telemetry.sampler import ResourceSampler  # noqa: E402
 from dlpipe.tracking.run import MlflowRun  # noqa: E402
+from dlpipe.tracking.sidecar_run import SidecarRun  # noqa: E402
 from dlpipe.training.runner import Trainer  # noqa: E402
 
 GOAL = 0.97
@@ -55,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64, help="samples per micro-batch (default 64)")
     p.add_argument("--models", default="mlp,cnn", help="which models (default mlp,cnn)")
     p.add_argument("--accumulate", default="1,4", help="accumulation settings (default 1,4)")
+    p.add_argument("--tracking", choices=("process", "inline"), default="process",
+                   help="where B's MLflow run is kept: a tracking process, as a dlpipe job (default), or this one")
     return checked(p, argv, counts=("steps", "batch_size"))
 
 
@@ -93,14 +99,23 @@ def run_plain(model_name: str, loader: DataLoader, steps: int, accumulate: int) 
 RUN_CONSTANTS: list[float] = []  # seconds to create and end the MLflow run, per dlpipe run
 
 
-def run_dlpipe(model_name: str, loader: DataLoader, steps: int, accumulate: int, uri: str) -> float:
+def open_run(uri: str, name: str, tracking: str):
+    """B's MLflow run: kept by a tracking process (as a dlpipe job keeps it) or in this process."""
+    args = dict(uri=uri, experiment="runner-overhead", run_name=name, tags={"dlpipe.role": "benchmark"})
+    if tracking == "inline":
+        return MlflowRun(**args)
+    return SidecarRun.start(uri, 10.0, 0).open(**args)
+
+
+def run_dlpipe(model_name: str, loader: DataLoader, steps: int, accumulate: int, uri: str,
+               tracking: str = "process") -> float:
     """steps/s of Trainer construction, sampler start/stop and fit(), which writes the metrics at
     each epoch end; creating and ending the MLflow run are per-run constants, timed on their own."""
     model = make_model(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     settings = TrainerConfig(epochs=1, max_steps=steps, accumulate=accumulate, device="cpu", progress=False)
     opened = time.perf_counter()
-    run = MlflowRun(uri, "runner-overhead", f"dlpipe {model_name}", {"dlpipe.role": "benchmark"})
+    run = open_run(uri, f"dlpipe {model_name}", tracking)
     constant = time.perf_counter() - opened
     with run:
         start = time.perf_counter()
@@ -162,7 +177,8 @@ def main(argv=None) -> int:
                 loader = make_loader(model_name, args.steps * accumulate, args.batch_size)
                 runners = {
                     "A": functools.partial(run_plain, model_name, loader, args.steps, accumulate),
-                    "B": functools.partial(run_dlpipe, model_name, loader, args.steps, accumulate, uri),
+                    "B": functools.partial(run_dlpipe, model_name, loader, args.steps, accumulate, uri,
+                                           args.tracking),
                     "C": functools.partial(run_lightning, model_name, loader, args.steps, accumulate),
                 }
                 for run in runners.values():
@@ -191,8 +207,10 @@ def main(argv=None) -> int:
         "# runner overhead",
         "",
         f"{args.steps} optimizer steps per run, micro-batch {args.batch_size}, {args.rounds} rounds after one warm-up, "
-        f"A, B and C in a rotating order; torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}.",
+        f"A, B and C in a rotating order; B's MLflow run kept "
+        f"{'by a tracking process' if args.tracking == 'process' else 'in the loop process'}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}.",
         "",
         "| model | accumulate | A plain loop steps/s | B dlpipe steps/s | B/A | C Lightning steps/s | C/A |",
         "|---|---|---|---|---|---|---|",
@@ -200,7 +218,8 @@ def main(argv=None) -> int:
         "",
         *[f"- {v}" for v in verdicts],
         "",
-        f"Per dlpipe run, not per step and outside the timed span: creating and ending the MLflow run (SQLite) took "
+        "Per dlpipe run, not per step and outside the timed span: creating and ending the MLflow run (SQLite)"
+        f"{', and starting its tracking process,' if args.tracking == 'process' else ''} took "
         f"{statistics.median(RUN_CONSTANTS) * 1000:.0f} ms (median of {len(RUN_CONSTANTS)}).",
     ]
     text = "\n".join(lines) + "\n"
