@@ -185,7 +185,8 @@ def test_workers_waiting_for_a_cpu_are_not_put_down_to_io_or_locks():
     line = judge(epoch(0.3, **STARVED))
     assert line.startswith("input-bound: data wait 30% with workers at the 2-CPU budget and the job's CPU at 40% of "
                            "it: items wait for a CPU, not for I/O or locks; contended: the job's threads waited for a "
-                           "CPU 1.19 s per second (workers 1.10, main process 0.09) on a 2-CPU budget")
+                           "CPU 1.19 s per second (workers 1.10, main process 0.09), 60% of their runnable time, "
+                           "on a 2-CPU budget")
     assert "CPU pressure 97% of the time" in line
     assert "from outside the job: other processes used 70% of its CPUs" in line
     assert "from inside" not in line and "I/O or locks (read" not in line
@@ -195,9 +196,16 @@ def test_workers_waiting_for_a_cpu_are_not_put_down_to_io_or_locks():
 def test_the_same_epoch_without_contention_figures_still_says_io_or_locks():
     quiet = {"cpu_util": 40.0}
     assert "items wait on I/O or locks" in judge(epoch(0.3, **quiet))
-    below = {**quiet, "run_queue_s_per_s": 0.3, "cpu_others_frac": 0.7, "cpu_pressure_frac": 0.9}
-    line = judge(epoch(0.3, **below))  # 0.3 s/s on 2 CPUs is under a quarter of the budget
+    below = {**quiet, "run_queue_s_per_s": 0.2, "cpu_others_frac": 0.7, "cpu_pressure_frac": 0.9}
+    line = judge(epoch(0.3, **below))  # 0.2 s waiting to 0.8 s running: 20% of the runnable time
     assert "items wait on I/O or locks" in line and "contended" not in line
+    idle = {"cpu_util": 5.0, "run_queue_s_per_s": 0.15}  # 60% of a little: under 0.1 s/s per CPU
+    assert "contended" not in judge(epoch(0.3, **idle))
+
+
+def test_a_job_using_little_cpu_is_contended_by_its_share_not_by_the_budget():
+    light = {"cpu_util": 20.0, "run_queue_s_per_s": 0.3}  # 0.3 s/s is under a quarter of 2 CPUs...
+    assert "waited for a CPU 0.30 s per second, 43% of their runnable time" in judge(epoch(0.3, **light))
 
 
 def test_a_job_that_wants_more_than_its_budget_is_contended_from_inside():
@@ -206,8 +214,16 @@ def test_a_job_that_wants_more_than_its_budget_is_contended_from_inside():
     line = judge(epoch(0.3, **own))
     assert "from inside the job: its threads wanted 2.5 CPUs (1.6 used + 0.9 waiting) of its 2" in line
     assert "from outside" not in line and "OMP_NUM_THREADS=1" in line
-    at_budget = {**own, "cpu_util": 55.0}  # 1.1 used + 0.9 waiting: 2.0 CPUs wanted, the budget itself
-    assert "from inside" not in judge(epoch(0.3, **at_budget))
+    at_budget = {**own, "cpu_util": 55.0, "cpu_others_frac": 0.5}  # 1.1 used + 0.9 waiting: the budget itself
+    assert "from inside" not in judge(epoch(0.3, **at_budget)) and "from outside" in judge(epoch(0.3, **at_budget))
+
+
+def test_a_wait_that_nothing_outside_explains_is_the_jobs_own():
+    quiet = {"cpu_util": 50.0, "run_queue_s_per_s": 0.9, "cpu_others_frac": 0.01}  # thread workers, quiet machine
+    line = judge(epoch(0.3, **quiet))
+    assert "from inside the job: its threads wanted 1.9 CPUs (1.0 used + 0.9 waiting) of its 2, others used 1% " \
+           "of them" in line and "OMP_NUM_THREADS=1" in line
+    assert "from inside" not in judge(epoch(0.3, cpu_util=50.0, run_queue_s_per_s=0.9))  # others not measured
 
 
 def test_compute_bound_is_qualified_with_the_cpu_per_sample():
