@@ -15,7 +15,8 @@ TELEMETRY_METRICS = frozenset({
     "step_time_p50_ms", "step_time_p95_ms", "cpu_util", "cpu_main_pct", "cpu_workers_pct", "cpu_per_worker_pct",
     "rss_mb", "rss_peak_mb", "tree_rss_peak_mb", "workers_rss_mb", "worker_rss_max_mb", "worker_rss_mean_mb",
     "workers_alive", "sys_mem_used_pct", "shm_used_mb", "gpu_util", "gpu_mem_used_mb", "cuda_max_allocated_mb",
-    "cuda_reserved_mb", "skipped_steps"})
+    "cuda_reserved_mb", "skipped_steps", "cpu_s_per_sample", "run_queue_s_per_s", "run_queue_main_s_per_s",
+    "run_queue_workers_s_per_s", "cpu_pressure_frac", "cpu_steal_frac", "cpu_others_frac"})
 """Epoch metrics besides the losses (the runner's clock, telemetry.sampler): a monitor may name one,
 with its mode given (their direction is not known)."""
 

@@ -14,7 +14,11 @@ from functools import cache
 
 SECTIONS = {
     # how fast the job trains
-    "perf": ("samples_per_s", "epoch_time_s", "step_time_p50_ms", "step_time_p95_ms"),
+    "perf": ("samples_per_s", "cpu_s_per_sample", "epoch_time_s", "step_time_p50_ms", "step_time_p95_ms"),
+    # how much the job was starved of CPU (dlpipe.telemetry.contention): not under system/, which
+    # MLflow plots against wall-clock time as its own
+    "contention": ("run_queue_s_per_s", "run_queue_main_s_per_s", "run_queue_workers_s_per_s", "cpu_pressure_frac",
+                   "cpu_steal_frac", "cpu_others_frac"),
     # what the loader costs: the wait for data, host-to-device copies, the workers and their memory
     "loader": ("data_wait_frac", "data_wait_s", "first_batch_s", "h2d_frac", "h2d_s", "workers_alive",
                "cpu_workers_pct", "cpu_per_worker_pct", "workers_rss_mb", "worker_rss_mean_mb", "worker_rss_max_mb",
