@@ -1,6 +1,6 @@
 """The lowest versions pyproject.toml allows, one exact pin per direct dependency:
 
-    python tools/floors.py [pyproject.toml] > floors.txt && pip install -r floors.txt ".[test]"
+    python tools/floors.py [pyproject.toml] > floors.txt && pip install -r floors.txt ".[test-tools]"
 
 CI (.ci/run) installs these in a venv of their own and runs a smoke subset of the tests, so a floor
 the code outgrew fails CI instead of a user's install. Read from pyproject.toml each time, so the pins
