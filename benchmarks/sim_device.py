@@ -611,7 +611,8 @@ def explain(args, budget: int, sampler: ResourceSampler) -> list[str]:
     auto, _, _ = automatic(dataset, BATCH, budget)
     issue = Candidate(2, 2, True, False)  # loader=auto as issue 32 saw it: 2 processes, prefetch 2, persistent
     default = torch.get_num_threads()
-    rule = torch_threads.rule_for(budget)  # trainer.torch_threads as dlpipe decides it for each loader
+    # trainer.torch_threads as dlpipe decides it for each loader on an accelerator (the simulated device is one)
+    rule = torch_threads.rule_for(budget, "cuda")
     runs = {(c, t): None for c in dict.fromkeys((issue, auto))
             for t in dict.fromkeys((default, rule(c.num_workers, c.worker_method).value))}
     measured = Measured()

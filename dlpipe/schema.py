@@ -125,8 +125,9 @@ class TrainerConfig:
     """torch.compile the model (the first steps pay for compilation; off by default)."""
     torch_threads: int | None = None
     """torch's intra-op threads in each training process (each rank): conf/trainer/default.yaml leaves
-    it to the rule (dlpipe/loader/torch_threads.py: the CPU budget less the loader's workers, or what
-    OMP_NUM_THREADS/MKL_NUM_THREADS gave torch); an int >= 1 sets it; None: torch's own choice."""
+    it to the rule (dlpipe/loader/torch_threads.py: on an accelerator the CPU budget less the loader's
+    workers, on the CPU the budget, or what OMP_NUM_THREADS/MKL_NUM_THREADS gave torch); an int >= 1
+    sets it; None: torch's own choice."""
     on_nonfinite: str = "stop"
     """A nan or inf training loss: `stop` (the run ends FAILED naming the step, within log_every
     steps), `skip_step` (drop that optimizer step, like GradScaler; counted as skipped_steps) or `warn`."""

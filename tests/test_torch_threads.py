@@ -1,6 +1,8 @@
 """trainer.torch_threads (dlpipe/loader/torch_threads.py) on controlled inputs: the rule's table, the
 resolver under a CPU quota, the decision settled on the built loader, and what DataLoader workers get."""
 
+import logging
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -21,34 +23,40 @@ from dlpipe.schema import TrainerConfig
 NO_ENV: dict[str, str] = {}
 
 
+ON_CPU = "the model computes on these threads, and the workers of a compute-bound run idle meanwhile"
 ENV_KEPT = "in the environment: torch's choice kept (torch follows it, at most one thread per CPU of its affinity)"
 
 
-# (CPU budget, workers, their method, environment, torch's own threads) -> (value, reason)
-@pytest.mark.parametrize(("budget", "workers", "method", "env", "torch_own", "value", "reason"), [
+# (CPU budget, workers, their method, trainer.device, environment, torch's own threads) -> (value, reason)
+@pytest.mark.parametrize(("budget", "workers", "method", "device", "env", "torch_own", "value", "reason"), [
     # no workers: the whole budget, whatever torch took (a 4-CPU quota on a 64-core host: 4, not 64)
-    (2, 0, "process", NO_ENV, 2, 2, "CPU budget 2, no workers: all of it for this process; torch's default was 2"),
-    (4, 0, None, NO_ENV, 64, 4, "CPU budget 4, no workers: all of it for this process; torch's default was 64"),
-    # worker processes take their CPUs from the budget
-    (2, 2, "process", NO_ENV, 2, 1, "CPU budget 2 - 2 worker processes, at least 1; torch's default was 2"),
-    (4, 3, "process", NO_ENV, 64, 1, "CPU budget 4 - 3 worker processes; torch's default was 64"),
-    (16, 8, "process", NO_ENV, 64, 8, "CPU budget 16 - 8 worker processes; torch's default was 64"),
-    (2, 8, "process", NO_ENV, 2, 1, "CPU budget 2 - 8 worker processes, at least 1; torch's default was 2"),
+    (2, 0, "process", "cuda", NO_ENV, 2, 2,
+     "CPU budget 2, no workers: all of it for this process; torch's default was 2"),
+    (4, 0, None, "cpu", NO_ENV, 64, 4, "CPU budget 4, no workers: all of it for this process; torch's default was 64"),
+    # on an accelerator, worker processes take their CPUs from the budget
+    (2, 2, "process", "cuda", NO_ENV, 2, 1, "CPU budget 2 - 2 worker processes, at least 1; torch's default was 2"),
+    (4, 3, "process", "cuda:1", NO_ENV, 64, 1, "CPU budget 4 - 3 worker processes; torch's default was 64"),
+    (16, 8, "process", "mps", NO_ENV, 64, 8, "CPU budget 16 - 8 worker processes; torch's default was 64"),
+    (2, 8, "process", "cuda", NO_ENV, 2, 1, "CPU budget 2 - 8 worker processes, at least 1; torch's default was 2"),
     # thread workers each want a CPU while they fetch, like processes
-    (8, 3, "thread", NO_ENV, 64, 5, "CPU budget 8 - 3 worker threads; torch's default was 64"),
+    (8, 3, "thread", "cuda", NO_ENV, 64, 5, "CPU budget 8 - 3 worker threads; torch's default was 64"),
     # before the fit decides the method (the resolver)
-    (8, 6, None, NO_ENV, 64, 2, "CPU budget 8 - 6 workers; torch's default was 64"),
-    (8, 6, "auto", NO_ENV, 64, 2, "CPU budget 8 - 6 workers; torch's default was 64"),
+    (8, 6, None, "cuda", NO_ENV, 64, 2, "CPU budget 8 - 6 workers; torch's default was 64"),
+    (8, 6, "auto", "cuda", NO_ENV, 64, 2, "CPU budget 8 - 6 workers; torch's default was 64"),
+    # the model on the CPU: its compute is these threads', the whole budget
+    (2, 2, "process", "cpu", NO_ENV, 2, 2, f"CPU budget 2, trainer.device=cpu: {ON_CPU}; torch's default was 2"),
+    (4, 3, "thread", "cpu", NO_ENV, 64, 4, f"CPU budget 4, trainer.device=cpu: {ON_CPU}; torch's default was 64"),
     # the user's environment: torch follows it, and so does dlpipe
-    (8, 2, "process", {"OMP_NUM_THREADS": "1"}, 1, 1, f"OMP_NUM_THREADS=1 {ENV_KEPT}"),
-    (8, 0, "process", {"MKL_NUM_THREADS": "3"}, 3, 3, f"MKL_NUM_THREADS=3 {ENV_KEPT}"),
-    (8, 2, "process", {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}, 1, 1,
+    (8, 2, "process", "cuda", {"OMP_NUM_THREADS": "1"}, 1, 1, f"OMP_NUM_THREADS=1 {ENV_KEPT}"),
+    (8, 0, "process", "cpu", {"MKL_NUM_THREADS": "3"}, 3, 3, f"MKL_NUM_THREADS=3 {ENV_KEPT}"),
+    (8, 2, "process", "cuda", {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}, 1, 1,
      "OMP_NUM_THREADS=1 in the environment: torch's choice kept (torchrun sets OMP_NUM_THREADS=1 for each rank "
      "where it is not set)"),
-    (8, 2, "process", {"OMP_NUM_THREADS": " "}, 64, 6, "CPU budget 8 - 2 worker processes; torch's default was 64"),
+    (8, 2, "process", "cuda", {"OMP_NUM_THREADS": " "}, 64, 6,
+     "CPU budget 8 - 2 worker processes; torch's default was 64"),
 ])
-def test_the_rule(budget, workers, method, env, torch_own, value, reason):
-    d = torch_threads.decide(budget, workers, method, torch_own, env)
+def test_the_rule(budget, workers, method, device, env, torch_own, value, reason):
+    d = torch_threads.decide(budget, workers, method, torch_own, device, env)
     assert (d.value, d.reason) == (value, reason)
 
 
@@ -58,17 +66,19 @@ def resolved_threads(*overrides: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize(("cpus", "overrides", "threads"), [
-    (4, (), 1),  # 4-CPU quota: 3 workers (docs/loader.md), 1 thread left
-    (4, ("loader=in_memory",), 4),  # no workers: the quota, not the host's 64 cores
-    (16, (), 8),  # 8 workers
-    (16, ("loader.num_workers=4",), 12),
+    (4, ("trainer.device=cuda",), 1),  # 4-CPU quota: 3 workers (docs/loader.md), 1 thread left
+    (4, ("trainer.device=cuda", "loader=in_memory"), 4),  # no workers: the quota, not the host's 64 cores
+    (4, ("trainer.device=cpu",), 4),  # the model on the CPU: the quota, not the host's 64 cores
+    (16, ("trainer.device=cuda",), 8),  # 8 workers
+    (16, ("trainer.device=cuda", "loader.num_workers=4"), 12),
 ])
 def test_the_resolver_follows_the_cpu_quota(monkeypatch, tmp_path, cpus, overrides, threads):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     host_with_quota(monkeypatch, tmp_path, "v2", cpus)
     cfg = compose_config(*overrides)
-    assert OmegaConf.to_container(cfg.trainer)["torch_threads"] == "${auto_torch_threads:${loader.num_workers}}"
+    assert OmegaConf.to_container(cfg.trainer)["torch_threads"] == \
+        "${auto_torch_threads:${loader.num_workers},${.device}}"
     assert cfg.trainer.torch_threads == threads
 
 
@@ -90,20 +100,26 @@ def test_a_bad_value_is_refused_naming_the_key(bad):
         validate(resolved)
 
 
-def test_settled_on_the_built_loader_only_where_automatic(monkeypatch):
+def test_settled_on_the_built_loader_only_where_automatic(monkeypatch, caplog):
     """The fit may change the workers (and decides their method): the decision follows, said once."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     monkeypatch.setattr(torch_threads, "torch_default", lambda: 2)
-    auto = {"torch_threads": "${auto_torch_threads:${loader.num_workers}}"}
-    trainer, decided = TrainerConfig(torch_threads=1), {"trainer.torch_threads": "1 (auto: CPU budget 4 - 3 workers)"}
-    torch_threads.settle(auto, trainer, 0, "process", 4, decided)  # in-memory data: the workers went
-    assert trainer.torch_threads == 4
-    assert decided["trainer.torch_threads"] == "4 (auto: CPU budget 4, no workers: all of it for this process; " \
-                                               "torch's default was 2)"
-    torch_threads.settle(auto, trainer, 2, "thread", 4, decided)
-    assert (trainer.torch_threads, decided["trainer.torch_threads"]) == (
-        2, "2 (auto: CPU budget 4 - 2 worker threads; torch's default was 2)")
+    auto = {"torch_threads": "${auto_torch_threads:${loader.num_workers},${.device}}"}
+    trainer = TrainerConfig(device="cuda", torch_threads=1)
+    decided = {"trainer.torch_threads": "1 (auto: CPU budget 4 - 3 workers; torch's default was 2)"}
+    with caplog.at_level(logging.INFO, logger="dlpipe"):
+        torch_threads.settle(auto, trainer, 0, "process", 4, decided)  # in-memory data: the workers went
+        assert trainer.torch_threads == 4
+        assert decided["trainer.torch_threads"] == "4 (auto: CPU budget 4, no workers: all of it for this process; " \
+                                                   "torch's default was 2)"
+        torch_threads.settle(auto, trainer, 0, "process", 4, decided)  # the same again: not said twice
+        torch_threads.settle(auto, trainer, 2, "thread", 4, decided)
+        assert (trainer.torch_threads, decided["trainer.torch_threads"]) == (
+            2, "2 (auto: CPU budget 4 - 2 worker threads; torch's default was 2)")
+    assert [r.getMessage() for r in caplog.records] == [f"trainer.torch_threads = {why}" for why in (
+        "4 (auto: CPU budget 4, no workers: all of it for this process; torch's default was 2)",
+        "2 (auto: CPU budget 4 - 2 worker threads; torch's default was 2)")]
     mine, decided = TrainerConfig(torch_threads=3), {"trainer.torch_threads": "3 (user override)"}
     torch_threads.settle({"torch_threads": 3}, mine, 0, "process", 4, decided)
     assert (mine.torch_threads, decided["trainer.torch_threads"]) == (3, "3 (user override)")

@@ -26,12 +26,17 @@ def test_the_automatic_value_is_recorded_and_used(dlpipe, tmp_path, mlflow_store
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     params, seen, log = run_recorded(dlpipe, tmp_path, mlflow_store, mlflow_client, "threads-auto",
                                      "loader.num_workers=2", "loader.worker_method=process")
-    budget, value = int(params["cpu.budget"]), max(1, int(params["cpu.budget"]) - 2)
+    budget, device = int(params["cpu.budget"]), params["trainer.device"]
+    if device == "cpu":  # the model computes on the training process's threads: the whole budget
+        value, why = budget, f"CPU budget {budget}, trainer.device=cpu: the model computes on these threads"
+        said = why
+    else:  # an accelerator: the workers' CPUs are taken from the budget
+        value, why = max(1, budget - 2), f"CPU budget {budget} - 2 worker processes"
+        said = f"CPU budget {budget} - 2 workers"  # before the fit decided the workers' method
     assert params["trainer.torch_threads"] == str(value)
-    assert params["auto.trainer.torch_threads"].startswith(
-        f"{value} (auto: CPU budget {budget} - 2 worker processes")
+    assert params["auto.trainer.torch_threads"].startswith(f"{value} (auto: {why}")
     assert "torch's default was" in params["auto.trainer.torch_threads"]
-    assert f"trainer.torch_threads = {params['auto.trainer.torch_threads']}" in log  # said with the others
+    assert log.count(f"trainer.torch_threads = {value} (auto: {said}") == 1  # with the others, once
     assert seen == [value]
 
 

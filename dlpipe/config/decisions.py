@@ -70,11 +70,11 @@ def amp(device: str) -> Decision:
     return Decision("fp16", "GPU lacks bfloat16: fp16 with a GradScaler")
 
 
-def intra_op_threads(num_workers) -> Decision:
-    """trainer.torch_threads for this rank's CPU budget and the configured workers (their method is
-    decided once the dataset is built: tasks settle it again there)."""
+def intra_op_threads(num_workers, device: str) -> Decision:
+    """trainer.torch_threads for this rank's CPU budget, the configured workers (their method is
+    decided once the dataset is built: tasks settle it again there) and trainer.device."""
     budget = hardware.cpu_budget().budget
-    return torch_threads.decide(budget, int(num_workers), None, torch_threads.torch_default())
+    return torch_threads.decide(budget, int(num_workers), None, torch_threads.torch_default(), str(device))
 
 
 # Config key -> (resolver name, how to recompute its decision from the resolved config).
@@ -91,7 +91,8 @@ _AUTO_KEYS = {
     ),
     "trainer.device": ("auto_device", lambda cfg: device()),
     "trainer.amp": ("auto_amp", lambda cfg: amp(cfg["trainer"]["device"])),
-    "trainer.torch_threads": (torch_threads.RESOLVER, lambda cfg: intra_op_threads(cfg["loader"]["num_workers"])),
+    "trainer.torch_threads": (torch_threads.RESOLVER, lambda cfg: intra_op_threads(cfg["loader"]["num_workers"],
+                                                                          cfg["trainer"]["device"])),
 }
 
 

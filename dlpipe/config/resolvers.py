@@ -17,7 +17,7 @@ RESOLVERS = {
     "auto_amp": lambda device: decisions.amp(device).value,
     "auto_prefetch": lambda num_workers: decisions.prefetch(num_workers).value,
     "auto_persistent": lambda *args: decisions.persistent(*args).value,
-    "auto_torch_threads": lambda num_workers: decisions.intra_op_threads(num_workers).value,
+    "auto_torch_threads": lambda num_workers, device: decisions.intra_op_threads(num_workers, device).value,
     "user_cache": user_cache_dir,
 }
 

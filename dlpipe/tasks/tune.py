@@ -58,7 +58,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
                            **hardware.host_facts(cpu=budget)})
         done: dict[Candidate, Trial] = {}  # every trial as soon as it is measured: a stop still reports it
         # A trial runs with the threads a run of its loader would get (trainer.torch_threads automatic).
-        threads = torch_threads.rule_for(budget.budget) if job.auto_threads else None
+        threads = torch_threads.rule_for(budget.budget, cfg.trainer.device) if job.auto_threads else None
         evaluate = evaluator(cfg, parent, tags, job.train_set, plan.batch_bytes, sampler, job.step, done, threads)
         search = Search(evaluate, bench.min_gain, max_workers,
                         tune_persistent=crosses_epochs and cfg.trainer.epochs > 1, tune_pin=cuda,
