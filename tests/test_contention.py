@@ -213,7 +213,7 @@ def test_a_job_that_wants_more_than_its_budget_is_contended_from_inside():
            "run_queue_workers_s_per_s": 0.3, "cpu_others_frac": 0.05}
     line = judge(epoch(0.3, **own))
     assert "from inside the job: its threads wanted 2.5 CPUs (1.6 used + 0.9 waiting) of its 2" in line
-    assert "from outside" not in line and "OMP_NUM_THREADS=1" in line
+    assert "from outside" not in line and "trainer.torch_threads=1" in line
     at_budget = {**own, "cpu_util": 55.0, "cpu_others_frac": 0.5}  # 1.1 used + 0.9 waiting: the budget itself
     assert "from inside" not in judge(epoch(0.3, **at_budget)) and "from outside" in judge(epoch(0.3, **at_budget))
 
@@ -222,7 +222,7 @@ def test_a_wait_that_nothing_outside_explains_is_the_jobs_own():
     quiet = {"cpu_util": 50.0, "run_queue_s_per_s": 0.9, "cpu_others_frac": 0.01}  # thread workers, quiet machine
     line = judge(epoch(0.3, **quiet))
     assert "from inside the job: its threads wanted 1.9 CPUs (1.0 used + 0.9 waiting) of its 2, others used 1% " \
-           "of them" in line and "OMP_NUM_THREADS=1" in line
+           "of them" in line and "trainer.torch_threads=1" in line
     assert "from inside" not in judge(epoch(0.3, cpu_util=50.0, run_queue_s_per_s=0.9))  # others not measured
 
 

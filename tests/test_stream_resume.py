@@ -35,12 +35,13 @@ def test_a_stream_stopped_on_2_workers_resumes_on_3_exactly(dlpipe, tmp_path, ml
     """Resumed on 3 worker processes, or, for a stream that reads positions, 3 worker threads
     (dlpipe.loader.stream_threads)."""
     data, at = STREAMS[kind]
+    case = kind + "".join("-" + value.partition("=")[2] for value in resumed_on)  # its own experiments in the store
     args = [*data, *COMMON, f"+dataset.marker={tmp_path / 'signalled'}", f"tracking.uri={mlflow_store}"]
     r = dlpipe(*args, f"{at}=-1", "loader.num_workers=0", f"hydra.run.dir={tmp_path / 'straight'}",
-               f"tracking.experiment=straight-{kind}")
+               f"tracking.experiment=straight-{case}")
     assert r.returncode == 0, r.stderr
     r = dlpipe(*args, "loader.num_workers=2", "loader.worker_method=process", f"hydra.run.dir={tmp_path / 'split'}",
-               f"tracking.experiment=split-{kind}", new_session=True)  # a group of its own: the signal's
+               f"tracking.experiment=split-{case}", new_session=True)  # a group of its own: the signal's
     assert r.returncode == 143, r.stderr
     assert "loader.stream_share = dlpipe" in r.stdout
     stopped = torch.load(tmp_path / "split" / "checkpoints" / "epoch-0002.pt", weights_only=True)
@@ -54,7 +55,7 @@ def test_a_stream_stopped_on_2_workers_resumes_on_3_exactly(dlpipe, tmp_path, ml
     [line] = [line for line in out.splitlines() if "resuming with other loader settings (the batches stay" in line]
     assert all(key.partition("=")[0] in line for key in resumed_on), line
 
-    [straight], [resumed] = runs_of(mlflow_client, f"straight-{kind}"), runs_of(mlflow_client, f"split-{kind}")
+    [straight], [resumed] = runs_of(mlflow_client, f"straight-{case}"), runs_of(mlflow_client, f"split-{case}")
     assert resumed.info.status == "FINISHED"
     a, b = logged(mlflow_client, straight), logged(mlflow_client, resumed)
     assert {"train_loss", "train_loss_step", "lr", "grad_norm"} <= set(a)

@@ -51,7 +51,7 @@ class Contention:
         fixes = []
         if self.inside:
             fixes.append("fewer threads than the budget: one intra-op thread in the main process "
-                         "(OMP_NUM_THREADS=1 or torch.set_num_threads(1)) or one worker fewer")
+                         "(trainer.torch_threads=1) or one worker fewer")
         if self.outside or not self.inside:
             fixes.append("CPUs of the job's own (fewer jobs on these CPUs, a cgroup or taskset of its own)")
         return (f"more workers or prefetch cannot help while the workers wait for a CPU: {'; or '.join(fixes)}; "

@@ -67,7 +67,7 @@ _EXPECTED_TO_CHANGE = ("checkpoint.", "trainer.epochs", "trainer.max_steps")
 LOADER_SPEED_KEYS = frozenset(
     f"loader.{k}" for k in ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "timeout",
                             "multiprocessing_context", "fetch", "worker_method", "tuned_on")
-)
+) | {"trainer.torch_threads"}  # beside the workers: decided from the same budget, and only as fast
 # Those that decide which worker fetches a sample: they do change the draws of a dataset that takes
 # them from the global RNGs (each worker's are seeded apart).
 _WHO_FETCHES = frozenset(f"loader.{k}" for k in ("num_workers", "persistent_workers", "multiprocessing_context",
