@@ -304,7 +304,9 @@ def run_pipeline(name: str, args, budget: int, sampler: ResourceSampler) -> tupl
     auto_s = time.perf_counter() - started
     if stream:  # read in its own order, and dealt to the workers as `dlpipe tune` deals it to its candidates
         settings.update(shuffle=False, stream_share=share_among_workers(fitted, dataset))
-    cfg = SimpleNamespace(loader=LoaderConfig(batch_size=batch), trainer=SimpleNamespace(epochs=EPOCHS))
+    # the stream's share as tune's candidates get it: threads apply only to a stream dlpipe deals
+    cfg = SimpleNamespace(loader=LoaderConfig(batch_size=batch, stream_share=settings.get("stream_share", "auto")),
+                          trainer=SimpleNamespace(epochs=EPOCHS))
     options = dataset_options(cfg, dataset)
     tuned, search, tune_s = tune(measure, auto, dataset, batch, args, budget, cfg, options,
                                  crosses=args.warmup + batches > per_epoch)
