@@ -245,7 +245,8 @@ def test_loader_backends_runs_and_writes_its_report(tmp_path):
 
 def test_loader_backends_measures_the_streams_and_the_naive_loader(tmp_path):
     # The two stream pipelines at tiny sizes, their files written under tmp_path: about 6 s on 2 CPUs. A stream's
-    # grid has neither threads nor persistent workers: 0 workers + 1 worker x prefetch 2,4.
+    # grid has no persistent workers, and these streams read positions, so threads: 0 workers + 1 worker x
+    # prefetch 2,4 x process, thread.
     out = tmp_path / "streams.md"
     r = run(["-m", "benchmarks.loader_backends", "--rounds", "1", "--held-out", "1", "--repeats", "1", "--workers", "1",
              "--parquet-rows", "256", "--images", "32", "--image-size", "16", "--shard-size", "16", "--warmup", "1",
@@ -256,7 +257,8 @@ def test_loader_backends_measures_the_streams_and_the_naive_loader(tmp_path):
     assert text in r.stdout
     assert "### parquet: SyntheticTabularParquet 256 x 32" in text
     assert "### jpeg-shards: SyntheticJPEGShards 32 images of 16 px in tars of 16" in text
-    assert text.count("grid of 3 configs (a stream dealt by stream_share=dlpipe") == 2
+    assert text.count("grid of 5 configs (a stream dealt by stream_share=dlpipe") == 2
+    assert text.count("and threads (it reads any position)") == 2
     assert list((tmp_path / "data").iterdir())  # the streams' files went where they were told
     configs = [row for row in table_rows(text) if row[0].startswith(("oracle", "auto", "tune", "PyTorch", "Lightning",
                                                                      "best", "naive"))]
@@ -264,7 +266,7 @@ def test_loader_backends_measures_the_streams_and_the_naive_loader(tmp_path):
         "oracle (best of the grid)", "auto (loader=auto)", "tune (dlpipe tune)", "PyTorch default",
         "Lightning's suggestion", "best process config", "best thread config",
         "naive (rows delivered, duplicates included)"] * 2
-    assert all("worker_method=thread" not in row[0] and "persistent_workers=true" not in row[0] for row in configs)
+    assert all("persistent_workers=true" not in row[0] for row in configs)
     naive = configs[7::8]
     assert all(row[0].endswith("plain DataLoader(num_workers=2) on the unsharded stream") for row in naive)
     assert all(row[1] == "-" and float(row[2]) > 0 for row in naive)  # measured in the held-out rounds only
