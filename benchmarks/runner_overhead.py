@@ -48,9 +48,11 @@ from dlpipe.schema import TrainerConfig  # noqa: E402
 from dlpipe.telemetry.sampler import ResourceSampler  # noqa: E402
 from dlpipe.tracking.run import MlflowRun  # noqa: E402
 from dlpipe.tracking.sidecar_run import SidecarRun  # noqa: E402
+from dlpipe.training.objective import Objective  # noqa: E402
 from dlpipe.training.runner import Trainer  # noqa: E402
 
 GOAL = 0.97
+LOSSES = {"dlpipe": "dlpipe's padding-safe cross-entropy", "torch": "torch's mean cross-entropy, as A's"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--accumulate", default="1,4", help="accumulation settings (default 1,4)")
     p.add_argument("--tracking", choices=("process", "inline"), default="process",
                    help="where B's MLflow run is kept: a tracking process, as a dlpipe job (default), or this one")
+    p.add_argument("--loss", choices=("dlpipe", "torch"), default="dlpipe",
+                   help="B's loss: dlpipe's default cross-entropy (padding-safe: a mean over the targets that "
+                        "count, 0 for a batch of padding only; default) or A's own, torch's mean cross-entropy "
+                        "(loss._target_=torch.nn.CrossEntropyLoss): the runner alone")
     return checked(p, argv, counts=("steps", "batch_size"))
 
 
@@ -108,7 +114,7 @@ def open_run(uri: str, name: str, tracking: str):
 
 
 def run_dlpipe(model_name: str, loader: DataLoader, steps: int, accumulate: int, uri: str,
-               tracking: str = "process") -> float:
+               tracking: str = "process", loss: str = "dlpipe") -> float:
     """steps/s of Trainer construction, sampler start/stop and fit(), which writes the metrics at
     each epoch end; creating and ending the MLflow run are per-run constants, timed on their own."""
     model = make_model(model_name)
@@ -120,7 +126,8 @@ def run_dlpipe(model_name: str, loader: DataLoader, steps: int, accumulate: int,
     with run:
         start = time.perf_counter()
         sampler = ResourceSampler(0.5)
-        trainer = Trainer(model, opt, settings, metrics=run, sampler=sampler)
+        objective = Objective(torch.nn.CrossEntropyLoss()) if loss == "torch" else None
+        trainer = Trainer(model, opt, settings, metrics=run, sampler=sampler, objective=objective)
         sampler.start()
         try:
             trainer.fit(loader, None)
@@ -178,7 +185,7 @@ def main(argv=None) -> int:
                 runners = {
                     "A": functools.partial(run_plain, model_name, loader, args.steps, accumulate),
                     "B": functools.partial(run_dlpipe, model_name, loader, args.steps, accumulate, uri,
-                                           args.tracking),
+                                           args.tracking, args.loss),
                     "C": functools.partial(run_lightning, model_name, loader, args.steps, accumulate),
                 }
                 for run in runners.values():
@@ -209,6 +216,7 @@ def main(argv=None) -> int:
         f"{args.steps} optimizer steps per run, micro-batch {args.batch_size}, {args.rounds} rounds after one warm-up, "
         f"A, B and C in a rotating order; B's MLflow run kept "
         f"{'by a tracking process' if args.tracking == 'process' else 'in the loop process'}; "
+        f"B's loss {LOSSES[args.loss]}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}.",
         "",

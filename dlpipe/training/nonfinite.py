@@ -44,6 +44,7 @@ class NonFiniteGuard:
         # The step log's running sum after each optimizer step since the last log step (the first
         # MAX_MARKS of them: trainer.log_every=10**9, "never", must not allocate gigabytes).
         self._marks = torch.zeros(min(every, MAX_MARKS) if mode != "skip_step" else 0, device=device)
+        self._slots = self._marks.unbind()  # a view per step, made once: mark() is then a single copy_
         # skip_step: this optimizer step's losses, kept apart until the step is known to be clean
         self.window = LossSum(device) if mode == "skip_step" else None
 
@@ -79,8 +80,8 @@ class NonFiniteGuard:
     def mark(self, pending: LossSum, step: int) -> None:
         """After optimizer step `step` (from 1): keep the running sum, on the device (no sync)."""
         index = (step - 1) % self.every
-        if self.window is None and not self.warned and index < len(self._marks):
-            self._marks[index].copy_(pending.total)
+        if self.window is None and not self.warned and index < len(self._slots):
+            self._slots[index].copy_(pending.total)
 
     def check(self, pending: LossSum, step: int, optimizer: torch.optim.Optimizer, peers: Peers | None = None) -> None:
         """At a log step (before the step log resets) or an epoch's end: act on the first non-finite
