@@ -5,7 +5,7 @@ import signal
 import time
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from dlpipe.sample_rng import sample_generator
 
@@ -153,7 +153,10 @@ class SignalsItself(Dataset):
         return len(self.y)
 
     def __getitem__(self, i):
-        self.fetched += 1
+        # With `group`, a worker's own fetches count: the main process's before the workers fork (pre-flight
+        # probes, as many as their time budget allows) would be inherited and move the signal by a timing.
+        if not self.group or get_worker_info() is not None:
+            self.fetched += 1
         if self.fetched == self.at and not os.path.exists(self.marker):
             open(self.marker, "w").close()
             if self.group:

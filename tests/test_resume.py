@@ -88,7 +88,7 @@ def straight_runs(tmp_path_factory, mlflow_store):
 
 
 # (the signal, the dataset, the loader of the interrupted run). The main process alone signalled at its
-# 150th fetch (pre-flight and epoch 1 fetch about 110); or, from a persistent worker at its 80th fetch (it
+# 150th fetch (pre-flight and epoch 1 fetch about 110); or, from a persistent worker at its own 80th fetch (it
 # fetches 60 or 48 an epoch), the job's whole process group. Or a dataset drawing its augmentation from
 # torch's global RNG, resumed with the same loader (docs/checkpoints.md). The uninterrupted run fetches in
 # the main process.
