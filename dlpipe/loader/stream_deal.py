@@ -21,6 +21,19 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class ResumePoint:
+    """The rounds of an epoch a resumed run already trained on: its workers leave them out. Set by the
+    runner's `resume(epoch, rounds)` before that epoch's iter(); other epochs start at round 0."""
+
+    epoch: int | None = None
+    rounds: int = 0
+
+    def start(self, epoch: int) -> int:
+        """Deal.start for `epoch`."""
+        return self.rounds if self.epoch == epoch else 0
+
+
+@dataclass(frozen=True)
 class Deal:
     """Which of the epoch's positions one worker of one rank yields."""
 

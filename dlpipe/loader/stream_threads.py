@@ -11,13 +11,14 @@ read positions has a single reader, which threads would have to share: it keeps 
 """
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset
 
 from dlpipe.errors import DataError
 from dlpipe.loader.fetch import BatchGather, unwrapped
-from dlpipe.loader.stream_deal import Deal
+from dlpipe.loader.stream_deal import Deal, ResumePoint
 from dlpipe.loader.streams import StreamError
 from dlpipe.loader.threads import ThreadLoader
 
@@ -78,7 +79,7 @@ class DealtBatches:
                  pad: bool):
         self.positions, self.batch_size = positions, batch_size
         self.deal = Deal(batch_size, world=world, rank=rank, drop_last=drop_last, pad=pad)
-        self.epoch, self.resumed = 0, (None, 0)
+        self.epoch, self.resumed = 0, ResumePoint()
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -88,7 +89,7 @@ class DealtBatches:
 
     def resume(self, epoch: int, rounds: int) -> None:
         """Leave out the first `rounds` rounds of `epoch` (StreamShare.resume, for threads)."""
-        self.resumed = (epoch, rounds)
+        self.resumed = ResumePoint(epoch, rounds)
 
     def __len__(self) -> int:
         """Batches of a whole epoch (a resumed epoch yields fewer: its runner skips no batches)."""
@@ -96,9 +97,7 @@ class DealtBatches:
         return -(-items // size)
 
     def __iter__(self) -> Iterator[PositionBatch]:
-        start = self.resumed[1] if self.resumed[0] == self.epoch else 0
-        deal = Deal(self.batch_size, world=self.deal.world, rank=self.deal.rank, drop_last=self.deal.drop_last,
-                    pad=self.deal.pad, start=start)
+        deal = replace(self.deal, start=self.resumed.start(self.epoch))
         for batch in deal.rank_batches(len(self.positions)):
             yield PositionBatch(batch.tolist(), self.epoch)
 

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from dlpipe.errors import DataError
 from dlpipe.loader.fetch import unwrapped
-from dlpipe.loader.stream_deal import Deal
+from dlpipe.loader.stream_deal import Deal, ResumePoint
 from dlpipe.loader.worker_signals import SignalSafeLoader, worker_init_fn
 
 PROBE_ITEMS = 8
@@ -74,7 +74,7 @@ class StreamShare(IterableDataset):
         self.dataset, self.share = stream, share
         self.batch_size, self.drop_last, self.pad = batch_size, drop_last, pad
         self.rank, self.world = rank, world
-        self.epoch, self.resumed = 0, (None, 0)
+        self.epoch, self.resumed = 0, ResumePoint()
 
     def __getattr__(self, name):
         # num_classes and the like read as on the stream; `dataset` guarded for unpickling in a worker
@@ -89,7 +89,7 @@ class StreamShare(IterableDataset):
 
     def resume(self, epoch: int, rounds: int) -> None:
         """Leave out the first `rounds` rounds of batches of `epoch` (one batch per rank each)."""
-        self.resumed = (epoch, rounds)
+        self.resumed = ResumePoint(epoch, rounds)
 
     def __len__(self) -> int:
         """Items this rank takes an epoch, where dlpipe deals a stream that counts its rows
@@ -105,8 +105,8 @@ class StreamShare(IterableDataset):
         where = f" (worker {worker} of {workers})" if workers > 1 else ""
         if not self.share:
             return self._named(iter(self.dataset), where)
-        start = self.resumed[1] if self.resumed[0] == self.epoch else 0
-        deal = Deal(self.batch_size, workers, worker, self.world, self.rank, self.drop_last, self.pad, start)
+        deal = Deal(self.batch_size, workers, worker, self.world, self.rank, self.drop_last, self.pad,
+                    self.resumed.start(self.epoch))
         if reads_positions(self.dataset):
             total = self.dataset.num_rows
             return self._named(self.dataset.read_positions(lambda positions: deal.mask(positions, total)), where,
