@@ -16,7 +16,8 @@ from dlpipe.tracking.run_names import job_name, sweep_name
     ("val_r2", "val/r2"), ("lr", "train/lr"), ("lr/group_1", "train/lr_group_1"),
     ("epoch_lr/group_0", "train/epoch_lr_group_0"), ("grad_norm", "train/grad_norm"),
     ("samples_per_s", "perf/samples_per_s"), ("data_wait_frac", "loader/data_wait_frac"),
-    ("cpu_util", "system/cpu_util"), ("epoch", "epoch"), ("my_callbacks_metric", "my_callbacks_metric"),
+    ("cpu_util", "resources/cpu_util"), ("rss_peak_mb", "resources/rss_peak_mb"), ("epoch", "epoch"),
+    ("my_callbacks_metric", "my_callbacks_metric"),
 ])
 def test_names_are_grouped_by_prefix_and_read_back(name, shown):
     assert mlflow_name(name) == shown and dlpipe_name(shown) == name
@@ -24,6 +25,8 @@ def test_names_are_grouped_by_prefix_and_read_back(name, shown):
 
 def test_every_epoch_metric_has_a_section_and_mlflows_own_stay_apart():
     assert all("/" in mlflow_name(name) for name in TELEMETRY_METRICS)
+    # none under system/: MLflow's UI charts that prefix against wall-clock time, as its own
+    assert not any(mlflow_name(name).startswith("system/") for name in TELEMETRY_METRICS)
     # MLflow's system metrics (MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING) share system/ under their own names
     assert dlpipe_name("system/cpu_utilization_percentage") == "system/cpu_utilization_percentage"
     assert mlflow_name("system/cpu_utilization_percentage") == "system/cpu_utilization_percentage"
@@ -35,12 +38,38 @@ def test_run_names_say_what_differs_in_a_few_characters():
     assert swept == ["loader.num_workers", "loader.pin_memory", "model"]
     job = ["loader.num_workers=2", "+loader.pin_memory=true", "trainer.epochs=2", "model=mlp",
            "trainer.progress=false"]
-    assert job_name("smoke", job, swept) == "num_workers=2 pin_memory=true model=mlp"
-    assert sweep_name("smoke", ["loader.num_workers=0,2", "trainer.epochs=2"], swept) == "sweep smoke: num_workers=0,2"
+    # a sweep's job: its values only, in the parent's order (the parent's name names the keys)
+    assert job_name("smoke", job, swept) == "2 true mlp"
+    assert sweep_name("smoke", ["loader.num_workers=0,2", "+loader.pin_memory=true,false", "model=cnn,mlp"],
+                      swept) == "sweep smoke: num_workers=0,2 pin_memory=true,false model=cnn,mlp"
     # a run of its own: recipe and overrides, less the noise; keys that end alike stay whole; secrets masked
     assert job_name("vision", ["trainer.epochs=3", "model.width=8", "dataset.width=8", "trainer.progress=false",
                                "tracking.uri=http://u:pw@host", "+dataset.api_key=SECRET"]) == \
         "vision epochs=3 model.width=8 dataset.width=8 api_key=***"
+    assert job_name("smoke", ["+dataset.token=SECRET", "optim.lr=0.1"], ["dataset.token", "optim.lr"]) == "*** 0.1"
+
+
+def test_a_run_name_says_the_value_that_ran_where_dlpipe_ran_another():
+    """The job's params hold `requested.<key>` where dlpipe changed a value (pin_memory without CUDA)."""
+    ran = {"loader.pin_memory": "False", "requested.loader.pin_memory": "True", "loader.num_workers": "0"}
+    swept = ["loader.num_workers", "loader.pin_memory"]
+    assert job_name("smoke", ["loader.num_workers=0", "loader.pin_memory=true"], swept, ran) == "0 true->false"
+    assert job_name("smoke", ["loader.num_workers=0", "loader.pin_memory=false"], swept,
+                    {"loader.pin_memory": "False", "loader.num_workers": "0"}) == "0 false"
+    assert job_name("smoke", ["loader.pin_memory=true"], None, ran) == "smoke pin_memory=true->false"
+
+
+def test_run_names_hold_no_class_paths_and_no_long_floats():
+    target = "+metrics.acc._target_=torchmetrics.classification.MulticlassAccuracy"
+    assert job_name("bert", ["trainer.epochs=2", target]) == "bert epochs=2 acc=MulticlassAccuracy"
+    assert "torchmetrics" not in job_name("bert", ["+metrics.acc={_target_:torchmetrics.Accuracy,num_classes:3}"])
+    swept = ["metrics.acc._target_", "optim.lr"]
+    assert sweep_name("bert", ["metrics.acc._target_=a.b.F1Score,a.b.Accuracy", "optim.lr=0.1,0.01"], swept) == \
+        "sweep bert: acc=F1Score,Accuracy lr=0.1,0.01"
+    # a value sampled by a search (Hydra's Optuna sweeper) is shown to 4 significant digits; ints as given
+    assert job_name("bert", ["metrics.acc._target_=a.b.F1Score", "optim.lr=0.0031622776601683794"], swept) == \
+        "F1Score 0.003162"
+    assert job_name("tabular", ["dataset.size=100000000", "optim.lr=1e-3"]) == "tabular size=100000000 lr=1e-3"
 
 
 def test_a_dataset_in_a_folder_is_a_local_source_and_its_digest_follows_its_config(tmp_path):

@@ -50,7 +50,7 @@ def test_interrupted_run_plus_resume_equals_straight_run(dlpipe, tmp_path, mlflo
 # What each attempt measures of its own part of an epoch: timings, resource samples and contention,
 # every metric of those MLflow sections and the clock's own. Every other metric must be bitwise the
 # uninterrupted run's.
-MEASURED = {name for section in ("perf", "loader", "system", "contention") for name in SECTIONS[section]} | {
+MEASURED = {name for section in ("perf", "loader", "resources", "contention") for name in SECTIONS[section]} | {
     "elapsed_s", "main_cpu_s", "workers_cpu_s"}
 # 120 items, 12 held out: 108 in batches of 16 (7 a batch), accumulate 2: 4 optimizer steps an epoch.
 # train_loss_step every 3 steps: its windows span epoch boundaries and the stop. A cosine schedule

@@ -1,6 +1,11 @@
 """The names dlpipe's metrics take in MLflow: grouped by prefix, so the UI's chart view shows one
-section per concern (`train/`, `val/`, `perf/`, `loader/`, `system/`), as Lightning's and HF's loggers
-group theirs.
+section per concern (`train/`, `val/`, `perf/`, `contention/`, `loader/`, `resources/`), as Lightning's
+and HF's loggers group theirs.
+
+No dlpipe metric is under `system/`: MLflow's UI takes every metric so named for its own system
+metrics and charts it against wall-clock time (`startsWith("system/")` -> `xAxisKey: "time"` in
+MLflow 3.17's JS), so a sweep's jobs could not be overlaid on the step axis. MLflow's own system
+metrics (tracking.system_metrics) keep that prefix.
 
 dlpipe itself (the runner, the verdict, checkpoint.monitor, results files) keeps the flat names
 (`val_loss`, `data_wait_frac`): the mapping is made where metrics enter MLflow (MlflowRun) and undone
@@ -15,17 +20,16 @@ from functools import cache
 SECTIONS = {
     # how fast the job trains
     "perf": ("samples_per_s", "cpu_s_per_sample", "epoch_time_s", "step_time_p50_ms", "step_time_p95_ms"),
-    # how much the job was starved of CPU (dlpipe.telemetry.contention): not under system/, which
-    # MLflow plots against wall-clock time as its own
+    # how much the job was starved of CPU (dlpipe.telemetry.contention)
     "contention": ("run_queue_s_per_s", "run_queue_main_s_per_s", "run_queue_workers_s_per_s", "cpu_pressure_frac",
                    "cpu_steal_frac", "cpu_others_frac"),
     # what the loader costs: the wait for data, host-to-device copies, the workers and their memory
     "loader": ("data_wait_frac", "data_wait_s", "first_batch_s", "h2d_frac", "h2d_s", "workers_alive",
                "cpu_workers_pct", "cpu_per_worker_pct", "workers_rss_mb", "worker_rss_mean_mb", "worker_rss_max_mb",
                "worker_rss_slope_mb_per_epoch", "shm_used_mb"),
-    # the machine, beside MLflow's own system/ metrics (which have other names) when those are on
-    "system": ("cpu_util", "cpu_main_pct", "rss_mb", "rss_peak_mb", "tree_rss_peak_mb", "sys_mem_used_pct",
-               "gpu_util", "gpu_mem_used_mb", "cuda_max_allocated_mb", "cuda_reserved_mb"),
+    # the job's processes and the machine: CPU, memory, GPU, per epoch like the rest
+    "resources": ("cpu_util", "cpu_main_pct", "rss_mb", "rss_peak_mb", "tree_rss_peak_mb", "sys_mem_used_pct",
+                  "gpu_util", "gpu_mem_used_mb", "cuda_max_allocated_mb", "cuda_reserved_mb"),
     # the optimisation itself, besides the losses
     "train": ("lr", "epoch_lr", "grad_norm", "skipped_steps"),
 }
