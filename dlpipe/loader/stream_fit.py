@@ -66,12 +66,8 @@ def fit_stream(raw_loader: dict, loader: LoaderConfig, stream: IterableDataset, 
     if policy.is_auto(raw_loader["num_workers"], "auto_workers") and loader.num_workers:
         decision = workers_for_data(loader.num_workers, stream_item_seconds(stream, loader.batch_size, collate_fn))
         if decision.value != loader.num_workers:
-            loader = replace(loader, num_workers=decision.value)
-            reasons["loader.num_workers"] = f"{decision.value} (auto: {decision.reason}; the stream's first items)"
-            if policy.is_auto(raw_loader["prefetch_factor"], "auto_prefetch"):
-                follows = prefetch(decision.value)
-                loader = replace(loader, prefetch_factor=follows.value)
-                reasons["loader.prefetch_factor"] = f"{follows.value} (auto: {follows.reason})"
+            loader = _with_workers(loader, decision.value, raw_loader, reasons,
+                                   f"{decision.value} (auto: {decision.reason}; the stream's first items)")
     if policy.is_auto(raw_loader.get("persistent_workers"), "auto_persistent"):
         keep, why = policy.persist_workers(loader.num_workers, epochs, None)  # a stream's batches are not known
         if keep and hasattr(stream, "set_epoch"):
@@ -169,12 +165,20 @@ def _workers_for_shards(loader: LoaderConfig, stream: IterableDataset, raw_loade
     shards = getattr(stream, "num_shards", None)
     if not isinstance(shards, int) or isinstance(shards, bool) or not 0 < shards < loader.num_workers:
         return loader
-    reasons["loader.num_workers"] = (f"{shards} (auto: the stream has {shards} shard{'s' if shards > 1 else ''} "
-                                     f"(num_shards) and shares them out among the workers: a worker beyond them "
-                                     f"would read nothing; the budget alone would give {loader.num_workers})")
-    loader = replace(loader, num_workers=shards)
+    return _with_workers(loader, shards, raw_loader, reasons,
+                         f"{shards} (auto: the stream has {shards} shard{'s' if shards > 1 else ''} (num_shards) "
+                         f"and shares them out among the workers: a worker beyond them would read nothing; the "
+                         f"budget alone would give {loader.num_workers})")
+
+
+def _with_workers(loader: LoaderConfig, workers: int, raw_loader: dict, reasons: dict[str, str],
+                  why: str) -> LoaderConfig:
+    """An automatic worker count changed after the budget's: the prefetch that follows the workers (where
+    it is automatic too) follows it."""
+    reasons["loader.num_workers"] = why
+    loader = replace(loader, num_workers=workers)
     if policy.is_auto(raw_loader["prefetch_factor"], "auto_prefetch"):
-        follows = prefetch(shards)
+        follows = prefetch(workers)
         loader = replace(loader, prefetch_factor=follows.value)
         reasons["loader.prefetch_factor"] = f"{follows.value} (auto: {follows.reason})"
     return loader
