@@ -80,4 +80,4 @@ def test_sweep_end_tags_and_prints_withdrawn_advice_on_a_real_store(tmp_path, ca
     first, second = (client.get_run(i).data.tags for i in ids)
     assert first["dlpipe.advice_check"].startswith("loader.num_workers=2 withdrawn: job 'loader.num_workers=2'")
     assert "dlpipe.advice_check" not in second  # its advice (0 workers) ran faster: it stands
-    assert "advice of job loader.num_workers=0: loader.num_workers=2 withdrawn" in capsys.readouterr().out
+    assert "advice of job #0 loader.num_workers=0: loader.num_workers=2 withdrawn" in capsys.readouterr().out

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from dlpipe.sweeps.chart import sweep_plot
-from dlpipe.sweeps.jobs import best_job, sweep_jobs
+from dlpipe.sweeps.jobs import sweep_jobs
+from dlpipe.sweeps.noise import fastest
 from dlpipe.sweeps.report import sweep_table
 from dlpipe.tracking.metric_names import mlflow_name
 from dlpipe.tracking.run import PARENT_TAG
@@ -79,11 +80,14 @@ def chart_facts(path) -> tuple[list[str], dict[str, str], list[str]]:
 
 def table_rows(table: str) -> list[list[str]]:
     """The table's rows split into cells as GitHub-flavoured markdown does: at every `|` not escaped
-    by a backslash, outer pipes dropped. Lines after the table (its notes) are not rows."""
+    by a backslash, outer pipes dropped. Lines before the table (the headline) and after it (its
+    notes) are not rows."""
     rows = []
     for line in table.splitlines():
         if not line.startswith("|"):
-            break
+            if rows:
+                break
+            continue
         cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
         rows.append([c.strip().replace("\\|", "|") for c in cells])
     return rows
@@ -97,19 +101,22 @@ def test_table_names_jobs_by_the_varied_override_only(client):
     assert [j.name for j in jobs] == [f"loader.num_workers={n}" for n in range(3)]
     table = sweep_table(jobs)
     header, rule, *rows = table_rows(table)
-    assert header[:5] == ["#", "job", "status", "samples/s", "data wait"]
+    assert header == ["#", "job", "status", "samples/s", "val_loss", "data wait", "epoch s", "main peak RSS MB",
+                      "tree peak RSS MB"]
     assert all(set(cell) == {"-"} for cell in rule)
-    assert [r[:2] for r in rows] == [[str(n + 1), f"`loader.num_workers={n}`"] for n in range(3)]
+    # numbered as Hydra numbers its jobs (no job-number tag here: by start order)
+    assert [r[:2] for r in rows] == [[f"#{n}", f"`loader.num_workers={n}`"] for n in range(3)]
+    assert [r[5] for r in rows] == ["25.0%"] * 3  # data wait in percent, as the console says it
     assert "+recipe=smoke" not in table  # shared by every job: noise
 
 
-def test_best_is_the_fastest_finished_job(client):
+def test_fastest_is_the_fastest_finished_job_beyond_noise(client):
     _, children = make_sweep(client, "best", [
         ("loader.num_workers=0", metrics(100.0), "FINISHED"),
         ("loader.num_workers=1", metrics(300.0), "FINISHED"),
         ("loader.num_workers=2", metrics(200.0), "FINISHED"),
     ])
-    best = best_job(sweep_jobs(children))
+    best = fastest(sweep_jobs(children)).winner
     assert best.name == "loader.num_workers=1"
     assert best.metrics["samples_per_s"] == 300.0
 
@@ -121,7 +128,7 @@ def test_a_failed_job_is_never_best(client):
         ("loader.num_workers=2", metrics(200.0), "FINISHED"),
     ])
     jobs = sweep_jobs(children)
-    best = best_job(jobs)
+    best = fastest(jobs).winner
     assert best.name == "loader.num_workers=2" and best.status == "FINISHED"
     assert table_rows(sweep_table(jobs))[3][1:3] == ["`loader.num_workers=1`", "FAILED"]
 
@@ -131,7 +138,7 @@ def test_no_finished_job_means_no_best(client):
         ("loader.num_workers=0", metrics(100.0), "FAILED"),
         ("loader.num_workers=1", metrics(200.0), "KILLED"),
     ])
-    assert best_job(sweep_jobs(children)) is None
+    assert fastest(sweep_jobs(children)) is None
 
 
 def test_plot_is_a_png_without_gpu_panel_when_no_job_measured_gpu(client, tmp_path):
@@ -148,7 +155,7 @@ def test_plot_is_a_png_without_gpu_panel_when_no_job_measured_gpu(client, tmp_pa
     width, height, texts = png_facts(path)
     assert width > height > 100
     assert chart_facts(path)[0] == ["samples_per_s", "data_wait_frac", "epoch_time_s", "tree_rss_peak_mb"]
-    assert "best: 2: loader.num_workers=1 (300.0 samples/s)" in texts["Title"]
+    assert "fastest: job #1 loader.num_workers=1 (300.0 samples/s)" in texts["Title"]
 
 
 def test_gpu_panel_appears_when_a_job_measured_gpu(client, tmp_path):
@@ -156,7 +163,7 @@ def test_gpu_panel_appears_when_a_job_measured_gpu(client, tmp_path):
         ("loader.num_workers=0", metrics(100.0, gpu_util=40.0), "FINISHED"),
         ("loader.num_workers=1", metrics(300.0), "FINISHED"),  # no NVML in this job: a missing bar, not 0
     ])
-    cpu_only = [c for c in children if "system/gpu_util" not in c.data.metrics]
+    cpu_only = [c for c in children if mlflow_name("gpu_util") not in c.data.metrics]
     without = sweep_plot(sweep_jobs(cpu_only), tmp_path / "cpu.png")
     path = sweep_plot(sweep_jobs(children), tmp_path / "gpu.png")
     panels = ["samples_per_s", "data_wait_frac", "epoch_time_s", "tree_rss_peak_mb"]
@@ -186,22 +193,30 @@ def end_sweep(client, parent: str):
 
 
 def test_sweep_end_logs_table_and_chart_to_the_parent(client, capsys):
-    """The Hydra callback's end of sweep, on a real store: both artifacts, the best job, FINISHED."""
+    """The Hydra callback's end of sweep, on a real store: both artifacts, the fastest job named
+    apart from the best by the objective (val_loss, equal in both jobs: none), FINISHED."""
     parent, _ = make_sweep(client, "callback", [
         ("loader.num_workers=0", metrics(100.0), "FINISHED"),
         ("loader.num_workers=2", metrics(250.0), "FINISHED"),
     ])
     run = end_sweep(client, parent)
     assert run.info.status == "FINISHED"
-    assert run.data.tags["dlpipe.best_job"] == "loader.num_workers=2"
+    tags = run.data.tags
+    assert tags["dlpipe.fastest_job"] == "loader.num_workers=2"
+    assert "dlpipe.best_job" not in tags and tags["dlpipe.best_verdict"].startswith("jobs #0 and #1 are within")
+    assert run.data.metrics == {"sweep/best_samples_per_s": 250.0}
     assert sorted(a.path for a in client.list_artifacts(parent)) == ["sweep_summary.md", "sweep_summary.png"]
     png = client.download_artifacts(parent, "sweep_summary.png")
     assert open(png, "rb").read(4) == b"\x89PNG"
-    assert "best job: loader.num_workers=2" in capsys.readouterr().out
+    headline = ("**Best val_loss: indistinguishable (jobs #0 and #1 within noise); "
+                "fastest: job #1 loader.num_workers=2 (250.0 samples/s)**")
+    assert headline in capsys.readouterr().out
+    assert tags["mlflow.note.content"].startswith(headline + "\n\n| #")
 
 
 def test_report_modules_import_neither_hydra_nor_matplotlib():
-    code = ("import sys, dlpipe.sweeps.report, dlpipe.sweeps.chart, dlpipe.sweeps.jobs; "
+    code = ("import sys, dlpipe.sweeps.report, dlpipe.sweeps.chart, dlpipe.sweeps.jobs, dlpipe.sweeps.noise, "
+            "dlpipe.sweeps.verdict, dlpipe.sweeps.objective, dlpipe.sweeps.summary; "
             "print(sorted(m for m in ('hydra', 'omegaconf', 'matplotlib', 'mlflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -225,7 +240,8 @@ def unfenced(cell: str) -> str:
 def test_each_panel_marks_its_own_best_among_finished_jobs(tmp_path):
     """The issue's sweep: the fastest job waited most for data and held the most memory (in its
     workers, not the main process). Each panel marks by its own direction; ties are all marked; a
-    failed job's better numbers are never best; a panel where all finished jobs tie marks none."""
+    failed job's better numbers are never best; a panel where all finished jobs tie marks none.
+    Samples/s and epoch time follow the sweep's verdict: two jobs equal as shown are no winner."""
     def m(sps, wait, epoch, cpu, main, tree):
         return {"samples_per_s": sps, "data_wait_frac": wait, "epoch_time_s": epoch, "cpu_util": cpu,
                 "rss_peak_mb": main, "tree_rss_peak_mb": tree, "gpu_util": 50.0}
@@ -239,14 +255,14 @@ def test_each_panel_marks_its_own_best_among_finished_jobs(tmp_path):
     panels, best, _ = chart_facts(path)
     assert panels == ["samples_per_s", "data_wait_frac", "epoch_time_s", "cpu_util", "gpu_util", "tree_rss_peak_mb"]
     assert best == {
-        "samples_per_s": "2 3",  # higher is better, equal as shown
-        "data_wait_frac": "1",  # lower is better: the fastest job is the worst here
-        "epoch_time_s": "2 3",
+        "samples_per_s": "none",  # 1800.04 against 1800.0: within the noise, no green bar
+        "data_wait_frac": "0",  # lower is better: the fastest job is the worst here
+        "epoch_time_s": "none",  # the fastest's panel seen from the other side
         "cpu_util": "not ranked",
         "gpu_util": "none",  # every finished job 50%: nothing to choose
-        "tree_rss_peak_mb": "1",  # the tree: the main process alone would have marked job 2
+        "tree_rss_peak_mb": "0",  # the tree: the main process alone would have marked job #1
     }
-    assert "best: 3: loader.num_workers=4 (1800.0 samples/s)" in png_facts(path)[2]["Title"]
+    assert "fastest: indistinguishable (jobs #1 and #2 within noise)" in png_facts(path)[2]["Title"]
 
 
 def test_table_keeps_every_row_and_column_whatever_the_names_hold():
@@ -261,17 +277,17 @@ def test_table_keeps_every_row_and_column_whatever_the_names_hold():
         fake_run(5, "", metrics(60.0)),  # no override of its own: named by its run name
     ]
     runs[4].info.run_name = "two\nlines"
-    failed = [f"{COMMON} +note=crashed", f"{COMMON} +note=bad|value", f"{COMMON} +note=never"]
+    failed = {3: f"{COMMON} +note=crashed", 5: f"{COMMON} +note=bad|value", 6: f"{COMMON} +note=never"}
     table = sweep_table(sweep_jobs(runs, failed))
     header, rule, *rows = table_rows(table)
     assert all(len(row) == len(header) == len(rule) for row in rows)
-    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5", "6", "7"]  # the crashed job counted once
+    assert [r[0] for r in rows] == [f"#{n}" for n in range(7)]  # the crashed job counted once
     assert [unfenced(r[1]) for r in rows] == ["+note=a|b", "+note=`tick`", long, "+note=crashed", "two lines",
                                               "+note=bad|value", "+note=never"]
     assert [r[2] for r in rows] == ["FINISHED"] * 3 + ["FAILED", "FINISHED", "FAILED", "FAILED"]
     assert set(rows[5][3:]) == set(rows[6][3:]) == {"-"}
     assert rows[2][3] == "300.0"
-    assert "- jobs 6 and 7 failed before they had a run" in table
+    assert "- jobs #5 and #6 failed before they had a run" in table
     # the backticks stay text: the fence is longer than any run of backticks in the name
     assert rows[1][1] == "`` +note=`tick` ``"
 
@@ -292,9 +308,9 @@ def test_jobs_that_ran_the_same_settings_are_named_and_grouped():
         "loader.num_workers=2 loader.pin_memory=true (ran False)", "loader.num_workers=2 loader.pin_memory=false",
     ]
     table = sweep_table(jobs)
-    notes = ["jobs 1 and 2 ran the same settings (loader.num_workers=0 loader.pin_memory=False): "
+    notes = ["jobs #0 and #1 ran the same settings (loader.num_workers=0 loader.pin_memory=False): "
              "their difference is noise",
-             "jobs 3 and 4 ran the same settings (loader.num_workers=2 loader.pin_memory=False): "
+             "jobs #2 and #3 ran the same settings (loader.num_workers=2 loader.pin_memory=False): "
              "their difference is noise"]
     assert all(f"- {note}." in table for note in notes)
     assert "`(ran X)`" in table
@@ -312,16 +328,18 @@ def test_chart_names_what_ran_and_which_jobs_are_the_same(tmp_path):
             for i, (v, s, p) in enumerate(zip(["true", "false"], [1710.0, 1547.0], params))]
     path = sweep_plot(sweep_jobs(runs), tmp_path / "s.png")
     _, _, same = chart_facts(path)
-    assert same == ["jobs 1 and 2 ran the same settings (loader.pin_memory=False): their difference is noise"]
+    assert same == ["jobs #0 and #1 ran the same settings (loader.pin_memory=False): their difference is noise"]
     title = png_facts(path)[2]["Title"]
-    assert "best: 1: loader.pin_memory=true (ran False) (1710.0 samples/s)" in title and "noise" in title
+    # one setting measured twice, 10.5% apart: that is the noise, and no job is ahead of it
+    assert "fastest: indistinguishable (jobs #0 and #1 within noise)" in title
 
 
 def test_sweep_end_lists_jobs_without_a_run_and_survives_long_overrides(client, monkeypatch):
     """Two jobs failed on bad values before they had a run, with overrides so long that the parent's
     `dlpipe.failed_overrides` tag exceeds MLflow's 8000 characters, and MLflow set to refuse such a
     value instead of cutting it: the table has their rows whole and the parent still ends FAILED."""
-    from dlpipe.sweeps.callback import FAILED_TAG_PREFIX, MAX_TAG_CHARS
+    from dlpipe.sweeps.callback import FAILED_TAG_PREFIX
+    from dlpipe.sweeps.summary import MAX_TAG_CHARS
 
     monkeypatch.setenv("MLFLOW_TRUNCATE_LONG_VALUES", "false")
 

@@ -2,9 +2,9 @@
 
 The parent's id reaches the jobs through an environment variable, which every launcher passes on:
 the basic launcher runs jobs in this process, submitit's local and Slurm executors inherit the
-submitting environment. At the end the parent gets a comparison table (sweep_summary.md), the same
-numbers as bar charts (sweep_summary.png; from sweeps.jobs, sweeps.report and sweeps.chart) and
-the best job's name.
+submitting environment. At the end the parent gets the sweep's summary (sweeps.summary): a comparison
+table (sweep_summary.md), the same numbers as bar charts (sweep_summary.png), and the best job by the
+objective and the fastest job, each named only beyond the sweep's noise (sweeps.verdict).
 
 The parent is recorded in the sweep's folder (`mlflow_run.json`, tracking.abandoned), so a sweep
 process killed outright leaves a trace: `dlpipe sync` or a later sweep there ends the parent KILLED.
@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import signal
-import tempfile
 from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -33,10 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 from dlpipe.machine.disk import unwritable
 from dlpipe.redact import redact_overrides, without_password
 from dlpipe.stop import STOP_SIGNALS, hold_or_raise
-from dlpipe.sweeps.advice import CHECK_TAG, withdrawn_advice
-from dlpipe.sweeps.chart import sweep_plot
-from dlpipe.sweeps.jobs import Job, best_job, sweep_jobs
-from dlpipe.sweeps.report import sweep_table
+from dlpipe.sweeps.summary import summarise, tag_value
+from dlpipe.sweeps.verdict import VERDICT_TAGS
 from dlpipe.tracking.abandoned import END_REASON_TAG, FOLDER_TAGS, Owner, close_previous, read_marker, write_marker
 from dlpipe.tracking.client import client_for, experiment_id
 from dlpipe.tracking.context_tags import context_tags
@@ -50,13 +47,12 @@ from dlpipe.tracking.store_lock import absolute_uri
 log = logging.getLogger("dlpipe")
 
 FAILED_TAG_PREFIX = "dlpipe.failed_job."  # + Hydra job number -> that job's overrides
-MAX_TAG_CHARS = 8000  # MLflow's tag value limit
 
 
 NOTE_TAG = "mlflow.note.content"
 """A run's description in the MLflow UI (markdown)."""
-SUMMARY_TAGS = (END_REASON_TAG, "dlpipe.jobs", "dlpipe.failed_jobs", "dlpipe.failed_overrides", "dlpipe.best_job",
-                "dlpipe.best_run_id", NOTE_TAG)
+SUMMARY_TAGS = (END_REASON_TAG, "dlpipe.jobs", "dlpipe.failed_jobs", "dlpipe.failed_overrides", *VERDICT_TAGS,
+                NOTE_TAG)
 """What the end of a sweep writes on its parent: a continued parent drops the last attempt's."""
 
 
@@ -64,13 +60,6 @@ def swept_keys(overrides: list[str]) -> list[str]:
     """The keys a sweep's overrides sweep (`a=1,2`, `range(...)`, `choice(...)`...), by Hydra's own parser."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     return [override_key(o.input_line) for o in parsed if o.is_sweep_override()]
-
-
-def tag_value(text: str) -> str:
-    """`text` cut to fit a tag. MLflow cuts a longer value the same way, but raises instead with
-    MLFLOW_TRUNCATE_LONG_VALUES=false, which here would leave the parent RUNNING or lose a failed
-    job's row. Cut alike, a failed job's overrides still equal its child run's `dlpipe.overrides`."""
-    return text[:MAX_TAG_CHARS]
 
 
 class SweepTracking(Callback):
@@ -187,7 +176,9 @@ class SweepTracking(Callback):
         children = latest_per_folder(self.client.search_runs(
             [parent_run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'", max_results=10000
         ))
-        best, table = self._summarise(parent, parent_run, children)
+        failed_jobs = {int(k.removeprefix(FAILED_TAG_PREFIX)): v
+                       for k, v in parent_run.data.tags.items() if k.startswith(FAILED_TAG_PREFIX)}
+        summary = summarise(self.client, parent, children, failed_jobs)
 
         # A job that failed inside its run is both a non-FINISHED child and a failed-job tag:
         # count jobs by their overrides so it is counted once.
@@ -206,15 +197,11 @@ class SweepTracking(Callback):
             tags[END_REASON_TAG] = self._failed_reason(len(failed), len(children) + len(without_run))
         else:
             status = "FINISHED"
-        if best is not None:
-            tags["dlpipe.best_job"] = best.name
-            tags["dlpipe.best_run_id"] = best.run_id
-            # under a prefix of its own: the UI's chart view never mixes the parent with its children
-            self.client.log_metric(parent, "sweep/best_samples_per_s", best.metrics["samples_per_s"])
-            print(f"best job: {best.name} ({best.metrics['samples_per_s']:.1f} samples/s)", flush=True)
-        if table:  # the description the UI shows on the parent's page: the comparison, the winner first
-            winner = f"**Fastest:** {best.name} ({best.metrics['samples_per_s']:.1f} samples/s)\n\n" if best else ""
-            tags[NOTE_TAG] = winner + table
+        if summary is not None:
+            tags.update(summary.verdict.tags())
+            tags[NOTE_TAG] = summary.text  # the description the UI shows on the parent's page
+            for key, value in summary.verdict.metrics().items():
+                self.client.log_metric(parent, key, value)
         for k, v in tags.items():
             self.client.set_tag(parent, k, tag_value(v))
         self.client.set_terminated(parent, status)
@@ -226,49 +213,6 @@ class SweepTracking(Callback):
             return f"the sweep stopped before its end after {jobs} jobs, none of which failed"
         counted = f"{failed} of {jobs} jobs failed (dlpipe.failed_overrides names them)"
         return counted if self.every_job_runs else f"{counted}; the sweep launched no job after the failed one"
-
-    def _summarise(self, parent: str, parent_run, children) -> tuple[Job | None, str]:
-        """Print the table and log it (sweep_summary.md) and the chart; return the fastest job and the table.
-        Jobs that failed before they had a run are rows too, known from the failed-job tags. The
-        summary is an extra: if it fails, say so and let _finish end the parent with its status."""
-        try:
-            failed = {int(k.removeprefix(FAILED_TAG_PREFIX)): v
-                      for k, v in parent_run.data.tags.items() if k.startswith(FAILED_TAG_PREFIX)}
-            jobs = sweep_jobs(children, [failed[n] for n in sorted(failed)])
-            table = sweep_table(jobs)
-            without_run = len(jobs) - len(children)
-            counts = f"{len(children)} runs" + (f", {without_run} jobs failed before a run" if without_run else "")
-            print(f"\nsweep summary ({counts}, last epoch of each)\n" + table, flush=True)
-            self.client.log_text(parent, table + "\n", "sweep_summary.md")
-        except Exception as e:  # noqa: BLE001 - any failure here must not leave the parent RUNNING
-            log.warning("sweep_summary.md not logged: %s: %s", type(e).__name__, e)
-            return None, ""
-        self._check_advice(jobs, children)
-        self._log_plot(parent, jobs)
-        return best_job(jobs), table
-
-    def _check_advice(self, jobs: list[Job], children) -> None:
-        """Withdraw each job's advice that another job of the sweep ran no faster (sweeps.advice): tag
-        the advising job and say it under the table. An extra, like the chart."""
-        try:
-            withdrawn = withdrawn_advice(children, {j.run_id: j.name for j in jobs if j.run_id})
-            for run_id, why in withdrawn.items():
-                self.client.set_tag(run_id, CHECK_TAG, tag_value(why))
-                name = next(j.name for j in jobs if j.run_id == run_id)
-                print(f"advice of job {name}: {why}", flush=True)
-        except Exception as e:  # noqa: BLE001 - any failure here must not leave the parent RUNNING
-            log.warning("advice not checked against the sweep: %s: %s", type(e).__name__, e)
-
-    def _log_plot(self, parent: str, jobs: list[Job]) -> None:
-        """The table as bar charts, artifact sweep_summary.png. The chart is an extra: if drawing or
-        uploading it fails, say so and let _finish go on to end the parent with its status."""
-        try:
-            with tempfile.TemporaryDirectory(prefix="dlpipe-sweep-") as tmp:
-                png = sweep_plot(jobs, Path(tmp) / "sweep_summary.png")
-                if png is not None:
-                    self.client.log_artifact(parent, str(png))
-        except Exception as e:  # noqa: BLE001 - any failure here must not leave the parent RUNNING
-            log.warning("sweep_summary.png not logged: %s: %s", type(e).__name__, e)
 
 
 def _every_job_runs(config: DictConfig) -> bool:

@@ -1,18 +1,22 @@
 """A sweep's jobs as bar charts, one panel per metric, each marking its own best job.
 
-A panel's best is judged by that panel's direction (less data wait is better, more samples/s is
-better), among FINISHED jobs only: a failed or killed job's numbers cover a partial run. Jobs
-equal at the precision shown are all marked; where no finished job is worse than another, the
-panel marks none (there is nothing to choose). CPU use is shown but never ranked: a share of the
-CPU budget is neither good nor bad by itself (more CPU buying more samples/s is cores put to work,
-less CPU at fewer samples/s is cores left idle); the samples/s panel says which setting won.
+The samples/s and epoch time panels mark the fastest job and the objective's panel the best one
+only where the sweep's verdict names them beyond its noise (sweeps.verdict): otherwise no bar is
+green there, and the title says which jobs are indistinguishable. Each other panel's best is judged
+by that panel's direction (less data wait is better), among FINISHED jobs only: a failed or killed
+job's numbers cover a partial run. Jobs equal at the precision shown are all marked; where no
+finished job is worse than another, the panel marks none (there is nothing to choose). CPU use is
+shown but never ranked: a share of the CPU budget is neither good nor bad by itself (more CPU
+buying more samples/s is cores put to work, less CPU at fewer samples/s is cores left idle); the
+samples/s panel says which setting won.
 """
 
 import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
-from dlpipe.sweeps.jobs import Job, best_job, same_settings_notes
+from dlpipe.sweeps.jobs import Job, same_settings_notes
+from dlpipe.sweeps.verdict import SweepVerdict, judge
 
 # Imported inside functions: matplotlib (over half a second), only when a sweep's chart is drawn at its
 # end; sweeps.callback imports this module, and Hydra loads that callback for every job, `dlpipe plan` too.
@@ -38,6 +42,8 @@ PANELS = [
     # the process tree: workers hold most of a loader setting's memory, the main process little of it
     Panel("peak RSS MB, process + workers (lower is better)", "tree_rss_peak_mb", 1.0, -1),
 ]
+FOLLOWS = {"epoch_time_s": "samples_per_s"}
+"""Panels whose winner is another's: epoch time is samples/s seen from the other side."""
 
 BEST_COLOR = "#2ca02c"
 OTHER_COLOR = "#8c9fb5"
@@ -49,14 +55,26 @@ def shown(value: float) -> str:
     return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
 
 
-def plot_panels(jobs: list[Job]) -> list[Panel]:
-    """The PANELS some job has a metric for, in PANELS order."""
-    return [p for p in PANELS if any(p.metric in j.metrics for j in jobs)]
+def plot_panels(jobs: list[Job], verdict: SweepVerdict | None = None, monitored: list[str] = ()) -> list[Panel]:
+    """The panels some job has a metric for: samples/s, the objective, the other monitored metrics
+    (not ranked: their direction may be unknown), then the rest of PANELS in order."""
+    extra = []
+    if verdict is not None and verdict.objective is not None:
+        o = verdict.objective
+        extra.append(Panel(f"{o.metric}, objective ({'higher' if o.higher else 'lower'} is better)", o.metric, 1.0,
+                           +1 if o.higher else -1))
+    extra += [Panel(f"{m}, monitored (not ranked)", m, 1.0, 0) for m in monitored
+              if m not in {p.metric for p in extra} | {p.metric for p in PANELS}]
+    return [p for p in [PANELS[0], *extra, *PANELS[1:]] if any(p.metric in j.metrics for j in jobs)]
 
 
-def panel_best(jobs: list[Job], panel: Panel) -> list[Job]:
-    """The FINISHED jobs best by the panel's own direction; ties (equal as shown) are all best.
-    Empty for an unranked panel, and where every finished job is as good as the best."""
+def panel_best(jobs: list[Job], panel: Panel, verdict: SweepVerdict | None = None) -> list[Job]:
+    """The jobs the panel marks: the verdict's winner where it ranks the panel's metric (none when
+    no job leads beyond the noise); else the FINISHED jobs best by the panel's own direction, ties
+    (equal as shown) all best, none where every finished job is as good as the best."""
+    marked = verdict.marked(FOLLOWS.get(panel.metric, panel.metric)) if verdict is not None else None
+    if marked is not None:
+        return marked if panel.better else []
     ranked = [j for j in jobs if j.finished and panel.metric in j.metrics]
     if not panel.better or not ranked:
         return []
@@ -66,35 +84,37 @@ def panel_best(jobs: list[Job], panel: Panel) -> list[Job]:
     return [] if len(best) == len(ranked) else best
 
 
-def describe(panels: list[Panel], bests: list[list[Job]], jobs: list[Job]) -> str:
+def describe(panels: list[Panel], bests: list[list[Job]], jobs: list[Job], verdict: SweepVerdict) -> str:
     """What the chart shows, for the PNG's Description chunk: tools and tests read it back."""
     lines = ["panels: " + ", ".join(p.metric for p in panels)]
     for panel, best in zip(panels, bests):
         marked = " ".join(str(j.number) for j in best) or ("none" if panel.better else "not ranked")
         lines.append(f"best {panel.metric}: {marked}")
+    lines += [f"verdict: {sentence}" for sentence in verdict.sentences()]
     lines += [f"same settings: {note}" for note in same_settings_notes(jobs)]
     return "\n".join(lines)
 
 
-def headline(jobs: list[Job]) -> str:
-    """The chart's title: how many jobs, the fastest finished one, and which jobs ran the same settings."""
-    text = f"sweep: {len(jobs)} jobs, last epoch of each"
-    best = best_job(jobs)
-    if best is not None:
-        text += f"; best: {best.number}: {best.name} ({best.metrics['samples_per_s']:.1f} samples/s)"
+def headline(jobs: list[Job], verdict: SweepVerdict) -> str:
+    """The chart's title: how many jobs, the best and the fastest (or which are indistinguishable),
+    and which jobs ran the same settings."""
+    text = f"sweep: {len(jobs)} jobs, last epoch of each; {verdict.headline()}"
     return "; ".join([text, *same_settings_notes(jobs)])
 
 
 def label(job: Job) -> str:
-    text = "\n".join(textwrap.wrap(f"{job.number}: {job.name}", 34))
+    text = "\n".join(textwrap.wrap(f"#{job.number} {job.name}", 34))
     return text if job.finished else f"{text}\n({job.status})"
 
 
-def sweep_plot(jobs: list[Job], path: Path) -> Path | None:
+def sweep_plot(jobs: list[Job], path: Path, verdict: SweepVerdict | None = None,
+               monitored: list[str] = ()) -> Path | None:
     """Draw one horizontal bar panel per metric, one bar per job with numbers, each panel's best
-    marked; save a PNG. Returns the path written, or None when no job has a metric to plot."""
+    marked (the verdict's winners only beyond noise: by default, the fastest judged on `jobs`
+    alone); save a PNG. Returns the path written, or None when no job has a metric to plot."""
     jobs = [j for j in jobs if j.metrics]
-    panels = plot_panels(jobs)
+    verdict = verdict or judge(jobs, None)
+    panels = plot_panels(jobs, verdict, monitored)
     if not panels:
         return None
     # The Figure API draws without pyplot, so no global backend is chosen or changed: this also
@@ -107,20 +127,21 @@ def sweep_plot(jobs: list[Job], path: Path) -> Path | None:
     height = 1.9 + len(jobs) * (0.3 + 0.2 * lines_per_job)
     fig = Figure(figsize=(2.2 + 3.3 * len(panels), height), layout="constrained")
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
-    bests = [panel_best(jobs, panel) for panel in panels]
+    bests = [panel_best(jobs, panel, verdict) for panel in panels]
     for ax, panel, best in zip(axes, panels, bests):
         draw_panel(ax, jobs, panel, best)
     axes[0].set_yticks(range(len(jobs)), labels, fontsize=8)
     axes[0].invert_yaxis()  # first job on top, as in the table (shared y: inverts every panel)
-    title = headline(jobs)
+    title = headline(jobs, verdict)
     fig.suptitle("\n".join(textwrap.wrap(title, 40 + 30 * len(panels))), fontsize=10)
-    legend = [Patch(facecolor=BEST_COLOR, edgecolor="black", label="best in its panel, among FINISHED"),
+    legend = [Patch(facecolor=BEST_COLOR, edgecolor="black",
+                    label="best in its panel, among FINISHED (speed, objective: only beyond the sweep's noise)"),
               Patch(facecolor=OTHER_COLOR, label="FINISHED"),
               Patch(facecolor=UNFINISHED_COLOR, label="FAILED or KILLED (partial run)")]
     fig.legend(handles=legend, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     path = Path(path)
     latin1 = {k: v.encode("latin-1", "replace").decode("latin-1")  # PNG text chunks are Latin-1
-              for k, v in {"Title": title, "Description": describe(panels, bests, jobs)}.items()}
+              for k, v in {"Title": title, "Description": describe(panels, bests, jobs, verdict)}.items()}
     fig.savefig(path, format="png", dpi=110, metadata=latin1)
     return path
 

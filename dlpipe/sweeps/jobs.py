@@ -4,6 +4,8 @@ A job is named by the overrides that set it apart (the ones every job shares are
 dlpipe ran another value than the one asked for (a child's param `requested.<key>` differs from its
 param `<key>`, e.g. `loader.pin_memory=true` on a machine without CUDA), the name says what ran,
 and jobs whose swept keys ran with the same values are grouped: their difference is noise.
+Jobs are numbered as Hydra numbers them (`#0`, `#1`, ...), so a row, a chart label and Hydra's own
+`#N :` log line name the same job.
 No Hydra, no MLflow imports: the inputs are MLflow `Run`-like objects and plain strings.
 """
 
@@ -13,6 +15,7 @@ from dlpipe.tracking.metric_names import dlpipe_names
 from dlpipe.tracking.run_names import override_key
 
 REQUESTED_PREFIX = "requested."  # + config key: the value asked for, where the run used another
+JOB_NUM_TAG = "dlpipe.job_num"  # a child's Hydra job number (hydra.job.num), set by sweeps.callback at the job's end
 
 
 @dataclass
@@ -20,7 +23,7 @@ class Job:
     """One row of the sweep summary."""
 
     number: int
-    """1-based position in the table and the chart, which notes refer to."""
+    """Hydra's job number (`hydra.job.num`, from 0): the row's `#N`, which notes refer to."""
     name: str
     """The overrides that set this job apart, each with `(ran X)` where dlpipe ran X instead."""
     status: str
@@ -31,6 +34,9 @@ class Job:
     """(swept key, value it ran with) for each swept key; None without a run."""
     ran_other: bool = False
     """Some override of its name was not what ran (the name says `(ran X)`)."""
+    history: dict[str, dict[int, float]] = field(default_factory=dict)
+    """metric (dlpipe name) -> {epoch: value}, for the metrics the noise rule reads (sweeps.noise);
+    empty where nobody fetched them."""
 
     @property
     def finished(self) -> bool:
@@ -47,32 +53,54 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def sweep_jobs(children, failed_overrides: list[str] = ()) -> list[Job]:
-    """The jobs in sweep order: child runs by start time, then jobs that failed without a run.
+def sweep_jobs(children, failed_overrides: dict[int, str] | None = None,
+               job_nums: dict[str, int] | None = None) -> list[Job]:
+    """The jobs in Hydra's order: child runs and jobs that failed without a run, by job number.
 
-    `failed_overrides` holds the overrides of every failed job (the parent's `dlpipe.failed_job.N`
-    tags, in job order); those matching a child's `dlpipe.overrides` failed inside their run and
-    are that child already, so each job is one row.
+    `failed_overrides` maps the Hydra job number of every failed job to its overrides (the parent's
+    `dlpipe.failed_job.N` tags); those matching a child's `dlpipe.overrides` failed inside their run
+    and are that child already, so each job is one row. A child's number is `job_nums[run_id]` or
+    its JOB_NUM_TAG; a child without either takes, in start order, the numbers no other job holds
+    (Hydra launches jobs in number order, and a job that failed before its run keeps its number from
+    its tag).
     """
+    failed_overrides = failed_overrides or {}
     runs = sorted(children, key=lambda r: r.info.start_time)
     run_overrides = [r.data.tags.get("dlpipe.overrides", "") for r in runs]
     seen = set(run_overrides)
-    without_run = [o for o in dict.fromkeys(failed_overrides) if o not in seen]
-    every = [split_overrides(o) for o in run_overrides + without_run]
+    without_run = {n: o for n, o in sorted(failed_overrides.items()) if o not in seen}
+    every = [split_overrides(o) for o in run_overrides + list(without_run.values())]
     common = set.intersection(*map(set, every)) if every else set()
     swept = sorted({override_key(o) for own in every for o in own if o not in common})
+    nums = job_numbers(runs, set(without_run), job_nums or {})
     jobs = []
-    for r, own in zip(runs, every):
+    for r, own, num in zip(runs, every, nums):
         params = r.data.params
         varied = [o for o in own if o not in common]
         shown = [_ran(o, params) for o in varied]
         name = " ".join(shown) or r.info.run_name or r.info.run_id
-        jobs.append(Job(len(jobs) + 1, one_line(name), r.info.status, dlpipe_names(r.data.metrics), r.info.run_id,
+        jobs.append(Job(num, one_line(name), r.info.status, dlpipe_names(r.data.metrics), r.info.run_id,
                         _settings(swept, own, params), ran_other=shown != varied))
-    for own in every[len(runs):]:
+    for num, own in zip(without_run, every[len(runs):]):
         name = " ".join(o for o in own if o not in common) or "-"
-        jobs.append(Job(len(jobs) + 1, one_line(name), "FAILED"))
-    return jobs
+        jobs.append(Job(num, one_line(name), "FAILED"))
+    return sorted(jobs, key=lambda j: j.number)
+
+
+def job_numbers(runs, taken: set[int], known: dict[str, int]) -> list[int]:
+    """Each run's Hydra job number: `known[run_id]` or its JOB_NUM_TAG, else the next number, in
+    start order, that no numbered run and no job in `taken` holds."""
+    tagged = [known.get(r.info.run_id, _int(r.data.tags.get(JOB_NUM_TAG))) for r in runs]
+    used = taken | {n for n in tagged if n is not None}
+    free = (n for n in range(len(runs) + len(used)) if n not in used)
+    return [n if n is not None else next(free) for n in tagged]
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return None
 
 
 def _ran(override: str, params: dict[str, str]) -> str:
@@ -101,9 +129,16 @@ def same_settings(jobs: list[Job]) -> list[list[Job]]:
 
 
 def numbers(jobs: list[Job]) -> str:
-    """`1`, `1 and 2`, `1, 2 and 3`: job numbers for a sentence."""
-    nums = [str(j.number) for j in jobs]
-    return nums[0] if len(nums) == 1 else ", ".join(nums[:-1]) + " and " + nums[-1]
+    """`#1`, `#1 and #2`, `#1, #3 and #4`, `#0-#3`: job numbers for a sentence (three or more in a
+    row as a range)."""
+    parts, nums = [], sorted(j.number for j in jobs)
+    for n in nums:
+        if parts and n == parts[-1][1] + 1:
+            parts[-1][1] = n
+        else:
+            parts.append([n, n])
+    items = [text for a, b in parts for text in ([f"#{a}-#{b}"] if b - a >= 2 else [f"#{n}" for n in range(a, b + 1)])]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def same_settings_notes(jobs: list[Job]) -> list[str]:
@@ -113,10 +148,3 @@ def same_settings_notes(jobs: list[Job]) -> list[str]:
         ran = " ".join(f"{k}={v}" for k, v in group[0].settings)
         notes.append(f"jobs {numbers(group)} ran the same settings ({ran}): their difference is noise")
     return notes
-
-
-def best_job(jobs: list[Job]) -> Job | None:
-    """The FINISHED job with the highest samples/s (the first on a tie), or None: a failed or killed
-    job's numbers cover a partial run."""
-    finished = [j for j in jobs if j.finished and "samples_per_s" in j.metrics]
-    return max(finished, key=lambda j: j.metrics["samples_per_s"], default=None)
