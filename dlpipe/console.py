@@ -47,25 +47,43 @@ class Progress:
         return f"{self.prefix} {bar}  {samples_per_s:8.1f} samples/s  data wait {100 * data_wait_frac:4.1f}%"
 
 
-# (column title, metric key, format)
-SUMMARY_COLUMNS = [
+# (column title, metric key, format): the epoch and what it computed, then how it ran. Every other
+# `val_<name>` a row holds (a metric of `metrics`) gets a column between the two (summary_columns).
+RESULT_COLUMNS = [
     ("epoch", "epoch", "{:.0f}"),
     ("train loss", "train_loss", "{:.4f}"),
     ("val loss", "val_loss", "{:.4f}"),
     ("val acc", "val_accuracy", "{:.3f}"),
     ("val r2", "val_r2", "{:.3f}"),
+]
+RUN_COLUMNS = [
     ("samples/s", "samples_per_s", "{:.1f}"),
-    ("data wait", "data_wait_frac", "{:.1%}"),
+    ("data wait", "data_wait_frac", "{:.1%}"),  # a share of the epoch, as a percentage wherever a person reads it
     ("epoch s", "epoch_time_s", "{:.2f}"),
     ("cpu %", "cpu_util", "{:.0f}"),
     ("gpu %", "gpu_util", "{:.0f}"),
-    ("rss MB", "rss_peak_mb", "{:.0f}"),
+    ("peak rss MB", "rss_peak_mb", "{:.0f}"),  # the main process's largest sample of the epoch
 ]
+USER_METRIC_FORMAT = "{:.4g}"  # any scale: an accuracy (0.9375), an error in the thousands (1234)
+
+
+def summary_columns(rows: list[dict[str, float]]) -> list[tuple[str, str, str]]:
+    """The columns some row has a value for, each user metric (`val_<name>`) after the known
+    validation ones, in the order the rows first hold them."""
+    def present(columns):
+        return [c for c in columns if any(c[1] in r for r in rows)]
+
+    results, runs = present(RESULT_COLUMNS), present(RUN_COLUMNS)
+    known, titles = {c[1] for c in RESULT_COLUMNS + RUN_COLUMNS}, {c[0] for c in results + runs}
+    users = dict.fromkeys(k for r in rows for k in r if k.startswith("val_") and k not in known)
+    # titled like the known ones (`val f1`), by the key where that title is taken (`val_acc` beside accuracy)
+    shown = [(title if (title := k.replace("_", " ", 1)) not in titles else k, k, USER_METRIC_FORMAT) for k in users]
+    return [*results, *shown, *runs]
 
 
 def summary_table(rows: list[dict[str, float]]) -> str:
     """A plain-text table of per-epoch metrics; columns with no values at all are left out."""
-    cols = [c for c in SUMMARY_COLUMNS if any(c[1] in r for r in rows)]
+    cols = summary_columns(rows)
     cells = [[title for title, _, _ in cols]]
     for r in rows:
         cells.append([fmt.format(r[key]) if key in r else "-" for _, key, fmt in cols])

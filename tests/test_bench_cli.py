@@ -68,8 +68,8 @@ def test_the_readme_bench_sweep_runs_every_job_and_records_what_each_loader_got(
         else:
             assert p["loader.prefetch_factor"] == asked and "requested.loader.prefetch_factor" not in p
         assert (p["loader.pin_memory"], p["requested.loader.pin_memory"]) == ("False", "True")
-        assert p["auto.loader.num_workers"] == f"{p['loader.num_workers']} (user override)"  # the source, recorded
-        assert p["auto.loader.persistent_workers"].startswith("False (auto: ")
+        assert p["auto.loader.num_workers"] == f"{p['loader.num_workers']} (user)"  # the source, in a word
+        assert p["auto.loader.persistent_workers"] == "False (auto)"
     logged = r.stdout + r.stderr
     assert logged.count("train: loader.prefetch_factor=4 ignored: it needs num_workers > 0") == 1
     assert "loader.num_workers = 0 (user override)" in logged
@@ -97,7 +97,7 @@ def test_tune_picks_workers_for_slow_items_and_writes_a_config_that_composes(
     # pinning asked for on the CPU: off in every trial (no flip tried without CUDA), and recorded so
     assert (parent.data.params["loader.pin_memory"], parent.data.params["requested.loader.pin_memory"]) == (
         "False", "True")
-    assert parent.data.params["auto.loader.pin_memory"] == "True (user override)"
+    assert parent.data.params["auto.loader.pin_memory"] == "True (user)"
     assert {t.data.params["loader.pin_memory"] for t in trials} == {"False"} and tuned["pin_memory"] is False
     # it draws from torch's global RNG (torch.randn per item): no thread trial, none written
     assert {t.data.params["loader.worker_method"] for t in trials} == {"process"} == {tuned["worker_method"]}

@@ -1,11 +1,14 @@
 """The names MLflow shows: metrics grouped by prefix, one chart section each, and dlpipe's own names
 back from them (tracking/metric_names.py); run names that say what differs (tracking/run_names.py);
-the dataset as a run input (tracking/dataset_input.py)."""
+the dataset as a run input (tracking/dataset_input.py); short `auto.*` params (tasks/params.py)."""
 
 import pytest
+from test_sources import composed, registered  # noqa: F401 - registered: the configs compose
 
+from dlpipe.config.decisions import explain
 from dlpipe.sweeps.callback import swept_keys
 from dlpipe.tasks.fit_checks import TELEMETRY_METRICS
+from dlpipe.tasks.params import auto_params, auto_tags
 from dlpipe.tracking.dataset_input import describe, log_inputs, mlflow_inputs
 from dlpipe.tracking.metric_names import dlpipe_name, mlflow_name
 from dlpipe.tracking.run_names import job_name, sweep_name
@@ -137,3 +140,26 @@ def test_monitors_may_be_named_as_mlflow_shows_them(caplog):
     caplog.clear()
     accept_mlflow_names(cfg)  # dlpipe's names: nothing to say
     assert cfg.checkpoint.monitor == "val_accuracy" and caplog.text == ""
+
+
+@pytest.mark.parametrize("overrides, key, param", [
+    (["+recipe=tabular", "loader.num_workers=8"], "loader.num_workers", "8 (user)"),
+    (["+recipe=tabular"], "loader.num_workers", "0 (option)"),
+    (["+recipe=smoke"], "loader.batch_size", None),  # not hardware-aware: no auto.* param
+    (["loader=pytorch"], "loader.pin_memory", "False (option)"),
+    (["+recipe=tabular", "loader=auto", "trainer.device=cpu"], "trainer.device", "cpu (user)"),
+])
+def test_auto_params_are_short_and_their_explanations_are_tags(overrides, key, param):
+    """What the compare view's first choices show: `VALUE (SOURCE)`; the sentence is the tag
+    `dlpipe.auto.KEY`, as the log words it."""
+    raw, resolved, ctx = composed(*overrides)
+    said = explain(raw, resolved, ctx.origin)
+    params, tags = auto_params(said), auto_tags(said)
+    assert params.get(f"auto.{key}") == param
+    assert tags.get(f"dlpipe.auto.{key}") == said.get(key)
+    assert set(params) == {f"auto.{k}" for k in said} and set(tags) == {f"dlpipe.auto.{k}" for k in said}
+    assert all(len(v) <= 16 for v in params.values()), params  # whole in the UI's columns
+    budget = resolved["loader"]["num_workers"]
+    if "loader=auto" in overrides:  # automatic here: the value and one word; the reason in the tag only
+        assert params["auto.loader.num_workers"] == f"{budget} (auto)"
+        assert tags["dlpipe.auto.loader.num_workers"].startswith(f"{budget} (auto: CPU budget")

@@ -252,8 +252,26 @@ def test_summary_table_omits_empty_columns_and_marks_missing_cells():
     assert float(cells[2][2]) == pytest.approx(0.75)
     assert [float(r[1]) for r in cells[1:]] == pytest.approx([0.5, 0.25])
     assert [float(r[3]) for r in cells[1:]] == pytest.approx([1234.6, 1500.0])
-    for absent in ("val acc", "gpu %", "cpu %", "rss MB", "data wait", "epoch s"):
+    for absent in ("val acc", "gpu %", "cpu %", "peak rss MB", "data wait", "epoch s"):
         assert absent not in cells[0]
+
+
+def test_summary_table_shows_every_user_metric_and_one_unit_for_data_wait():
+    """A metric of `metrics` (`metrics.acc=...` is logged as `val_acc`) gets its column after the
+    losses, whatever its name; data wait is a percentage with one decimal; a peak says so."""
+    rows = [
+        {"epoch": 1.0, "train_loss": 0.5, "val_loss": 0.4, "val_acc": 0.8125, "val_f1": 0.75, "samples_per_s": 90.0,
+         "data_wait_frac": 0.04012, "rss_peak_mb": 550.4},
+        {"epoch": 2.0, "train_loss": 0.3, "val_loss": 0.2, "val_acc": 0.9375, "val_mae": 1234.5, "samples_per_s": 95.0,
+         "data_wait_frac": 0.1, "rss_peak_mb": 561.0},
+    ]
+    cells = parse_table(summary_table(rows))
+    assert cells[0] == ["epoch", "train loss", "val loss", "val acc", "val f1", "val mae", "samples/s", "data wait",
+                        "peak rss MB"]
+    assert [r[3:6] for r in cells[1:]] == [["0.8125", "0.75", "-"], ["0.9375", "-", "1234"]]
+    assert [r[7] for r in cells[1:]] == ["4.0%", "10.0%"]
+    # beside the built-in accuracy, a metric named acc is titled by its key
+    assert parse_table(summary_table([{"val_accuracy": 0.5, "val_acc": 0.5}]))[0] == ["val acc", "val_acc"]
 
 
 def test_multiprocessing_helpers_are_not_counted_as_workers():

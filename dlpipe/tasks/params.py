@@ -1,5 +1,10 @@
 """What a run records of its config: MLflow params (secrets masked), the settings each DataLoader
 really got beside what was asked, and the values measured from what was built.
+
+Each hardware-aware value is a short param, `auto.KEY` = `2 (auto)`: the value and its source in a
+word, which the UI's tables and its compare view show whole. The sentence that explains it (the CPU
+budget, the recipe, the option file) is the tag `dlpipe.auto.KEY`: tags may change when a run is
+resumed on another machine, params may not, and the run page lists tags in full.
 """
 
 import dataclasses
@@ -32,8 +37,34 @@ def config_params(cfg: DlpipeConfig, plan, decided: dict[str, str], *sections: s
     """The config's `sections` as params (secrets masked), with the loader values `plan`'s DataLoader
     got, and `auto.KEY` for each hardware-aware value with its source, as training records them."""
     shown = recorded_config(cfg)
-    return {**flatten({key: shown[key] for key in sections}), **loader_params(plan),
-            **{f"auto.{key}": why for key, why in decided.items()}}
+    return {**flatten({key: shown[key] for key in sections}), **loader_params(plan), **auto_params(decided)}
+
+
+AUTO_TAG = "dlpipe.auto."  # + config key: the whole sentence that explains the value
+# How config.sources and the resolvers word a value's source -> the word its param says
+SOURCE_WORDS = (("auto", "auto"), ("user override", "user"), ("recipe ", "recipe"), ("config option ", "option"),
+                ("the schema's default", "default"))
+
+
+def auto_params(decided: dict[str, str]) -> dict[str, str]:
+    """`auto.KEY` = `VALUE (SOURCE)` for each explained value (`loader.num_workers` -> `2 (auto)`):
+    `decided` holds `VALUE (explanation)`, as preflight logs it."""
+    return {f"auto.{key}": " ".join(filter(None, _value_and_source(why))) for key, why in decided.items()}
+
+
+def auto_tags(decided: dict[str, str]) -> dict[str, str]:
+    """`dlpipe.auto.KEY` = the whole explanation of each value, as the log words it."""
+    return {AUTO_TAG + key: why for key, why in decided.items()}
+
+
+def _value_and_source(why: str) -> tuple[str, str]:
+    """`2 (auto: CPU budget ...)` -> (`2`, `(auto)`); a value dlpipe set for the data (a stream's
+    shuffle) is `(dlpipe)`; a bare value has no source."""
+    value, paren, reason = why.partition(" (")
+    if not paren:
+        return why, ""
+    word = next((w for start, w in SOURCE_WORDS if reason.startswith(start)), "dlpipe")
+    return value, f"({word})"
 
 
 def loader_params(plan) -> dict[str, str]:
