@@ -6,7 +6,11 @@ The measurements, in the order they count:
   with no workers the wait *is* the main process fetching and collating items;
 - the probe (loader.probe): seconds per item fetched and collated in the main process;
 - the measurement journal (judging.journal): what training runs, `dlpipe bench` and `dlpipe tune`
-  measured for other settings of the same job.
+  measured for other settings of the same job. A tune's figure counts as faster only beyond the noise
+  that search measured (its threshold), so training never proposes what tune could not tell apart;
+- with a config `dlpipe tune` wrote (`loader.tuned_on` names the search), that search's trials even
+  where this run is another job (batch size, device, CPU budget, host or dataset changed): a change
+  it found no faster is then still advised, saying what the search measured and why it may differ.
 No torch here.
 """
 
@@ -14,9 +18,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dlpipe.judging.journal import MIN_GAIN, Journal
-from dlpipe.loader import policy
 
 MODES = {"epoch": "a training run", "step": "dlpipe bench/tune (train mode)", "loader": "dlpipe bench/tune"}
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """The `dlpipe tune` search that wrote this run's loader config."""
+
+    journal: Journal
+    """Its trials, from the measurement journal."""
+    differs: str = ""
+    """How this run differs from the job the search measured ("batch_size 256, tuned at 64"); empty
+    when it is the same job."""
 
 
 @dataclass
@@ -30,6 +44,14 @@ class Evidence:
     probe: Callable[[], float | None] | None = None
     """Measures item_fetch_s the first time an advice depends on it: the probe fetches items in the
     main process, which only an input-bound epoch with workers needs."""
+    world: int = 1
+    """Ranks whose epoch figures are combined (samples/s summed over ranks): the per-item figures are
+    one rank's, as a single process's are."""
+    tuned: Tuned | None = None
+    """The search that wrote the loader config, where one did and the journal still has it."""
+    previous: dict = field(default_factory=dict)
+    """What the last verdict on this evidence decided (judging.steady): the next epoch keeps it until
+    its figures move beyond the noise."""
 
     def fetch_cost(self) -> float | None:
         if self.item_fetch_s is None and self.probe is not None:
@@ -49,8 +71,11 @@ class PerItem:
         return max(self.total_s - self.wait_s, 0.0)
 
     @classmethod
-    def of(cls, metrics: dict[str, float]) -> "PerItem | None":
-        samples = metrics.get("samples_per_s", 0.0) * metrics.get("epoch_time_s", 0.0)
+    def of(cls, metrics: dict[str, float], world: int = 1) -> "PerItem | None":
+        """One rank's split: with `world` ranks, samples/s is their sum while the epoch time is the
+        slowest rank's and the data wait their mean (training.distributed), so a rank's items are the
+        job's over `world`."""
+        samples = metrics.get("samples_per_s", 0.0) * metrics.get("epoch_time_s", 0.0) / max(world, 1)
         if samples <= 0 or "data_wait_s" not in metrics:
             return None
         return cls(metrics["epoch_time_s"] / samples, metrics["data_wait_s"] / samples)
@@ -66,11 +91,6 @@ def item_cost(per_item: PerItem | None, num_workers: int, evidence: Evidence) ->
     return None, ""
 
 
-def is_cheap(cost_s: float | None) -> bool:
-    """Items this cheap are in memory: a worker's hand-over costs more than the fetch (loader.policy)."""
-    return cost_s is not None and cost_s < policy.CHEAP_ITEM_S
-
-
 @dataclass(frozen=True)
 class Finding:
     """What the journal says about a proposed change: faster, not faster, or not measured."""
@@ -79,31 +99,54 @@ class Finding:
     faster: bool
     ratio: float | None = None
     basis: str = ""
+    noisy: bool = False
+    """Measured faster, but by less than the noise of the search that measured it."""
 
 
 def check(change: dict, current: dict, metrics: dict[str, float], evidence: Evidence, warm: bool = True) -> Finding:
     """Compare the fastest measurement with `change` applied against the current settings, in every
     mode the journal has both for. In the epoch mode (earlier training runs) the current settings are
     also this run's own samples/s when `warm` (an epoch without start-up, like the journal's lines).
-    Any comparison that found the change no faster (by MIN_GAIN) withholds it."""
+    Any comparison that found the change no faster (by MIN_GAIN, or by the noise the measuring search
+    recorded) withholds it."""
     support = None
     for mode, journal in evidence.journals.items():
         proposed = journal.best(**{**_unchanged(current, change), **change})
         if proposed is None:
             continue
-        figures = [(journal.median(current), "with the current settings")]
+        figures = [(journal.median(current), "with the current settings", journal.noise(current))]
         if mode == "epoch" and warm:
-            figures.append((metrics.get("samples_per_s"), "in this run"))
-        for now, whose in figures:
+            figures.append((metrics.get("samples_per_s"), "in this run", 0.0))
+        for now, whose, noise in figures:
             if not now:
                 continue
             ratio = proposed.samples_per_s / now
             basis = (f"{MODES.get(mode, mode)} measured {proposed.label()} at {proposed.samples_per_s:.0f} samples/s "
                      f"({proposed.source}, {proposed.when}) against {now:.0f} {whose}")
+            margin = max(MIN_GAIN, proposed.noise, noise)
             if ratio < 1 + MIN_GAIN:
                 return Finding(True, False, ratio, basis)
+            if ratio < 1 + margin:
+                return Finding(True, False, ratio, f"{basis}, within the noise of that search (a gain had to pass "
+                               f"{1 + margin:.2f}x)", noisy=True)
             support = support or Finding(True, True, ratio, basis)
     return support or Finding(False, False)
+
+
+def tuned_finding(change: dict, current: dict, tuned: Tuned | None) -> Finding:
+    """What the search that wrote this config measured of `change` against the current settings,
+    with the noise it measured; not measured when it tried neither (or there is no such search)."""
+    if tuned is None:
+        return Finding(False, False)
+    proposed = tuned.journal.best(**{**_unchanged(current, change), **change})
+    now = tuned.journal.median(current)
+    if proposed is None or not now:
+        return Finding(False, False)
+    ratio = proposed.samples_per_s / now
+    margin = max(MIN_GAIN, proposed.noise)
+    basis = (f"dlpipe tune measured {proposed.label()} at {ratio:.2f}x the tuned config ({proposed.when}; a gain "
+             f"had to pass {1 + margin:.2f}x)")
+    return Finding(True, ratio >= 1 + margin, ratio, basis, noisy=1 + MIN_GAIN <= ratio < 1 + margin)
 
 
 def _unchanged(current: dict, change: dict) -> dict:

@@ -22,10 +22,13 @@ Thresholds (documented in docs/telemetry.md, measured on a 2-CPU machine, 2026-1
   from inside when nothing outside took the CPUs: on the quiet machine thread workers waited 0.9 s
   per second while the job used 1.0 CPU of 2 and others 1% (threads woken onto a CPU that another
   of the job's threads holds, the GIL handed between them).
-Every rule reads one epoch's figures only: the same figures give the same words in every epoch.
+Every rule reads one epoch's figures, and whether the previous verdict of the same job was contended:
+near the threshold the previous answer holds until the share moves beyond a band (judging.steady).
 """
 
 from dataclasses import dataclass
+
+from dlpipe.judging.steady import OVER_BAND, SHARE_BAND, above
 
 RUN_QUEUE_SHARE = 0.33
 """The share of the job's runnable time spent waiting for a CPU from which an epoch is contended."""
@@ -54,12 +57,13 @@ class Contention:
                          "(trainer.torch_threads=1) or one worker fewer")
         if self.outside or not self.inside:
             fixes.append("CPUs of the job's own (fewer jobs on these CPUs, a cgroup or taskset of its own)")
-        return (f"more workers or prefetch cannot help while the workers wait for a CPU: {'; or '.join(fixes)}; "
+        return (f"more workers or prefetch cannot help while the job's threads wait for a CPU: {'; or '.join(fixes)}; "
                 "compare runs by cpu_s_per_sample, which contention moves far less than samples/s")
 
 
-def contention(metrics: dict[str, float], cpu_budget: int) -> Contention | None:
-    """The epoch's contention, or None when its figures do not reach the thresholds (or are absent)."""
+def contention(metrics: dict[str, float], cpu_budget: int, previous: dict | None = None) -> Contention | None:
+    """The epoch's contention, or None when its figures do not reach the thresholds (or are absent).
+    `previous`: the last verdict's answers on this job (judging.steady), None for the bare thresholds."""
     budget = max(cpu_budget, 1)
     queue = metrics.get("run_queue_s_per_s")
     pressure = metrics.get("cpu_pressure_frac")
@@ -68,9 +72,9 @@ def contention(metrics: dict[str, float], cpu_budget: int) -> Contention | None:
     used = metrics.get("cpu_util", 0.0) / 100 * budget
     share = queue / (queue + used) if queue else 0.0
     if queue is not None:
-        starved = share >= RUN_QUEUE_SHARE and queue >= RUN_QUEUE_FLOOR * budget
+        starved = above(previous, "contended", share, RUN_QUEUE_SHARE, SHARE_BAND) and queue >= RUN_QUEUE_FLOOR * budget
     else:
-        starved = pressure is not None and pressure >= PRESSURE_CONTENDED
+        starved = pressure is not None and above(previous, "contended", pressure, PRESSURE_CONTENDED, SHARE_BAND)
     if not (starved or steal >= STEAL_BUSY):
         return None
     parts = []
@@ -85,7 +89,7 @@ def contention(metrics: dict[str, float], cpu_budget: int) -> Contention | None:
         parts.append(f"CPU pressure {pressure:.0%} of the time")
     outside = (others is not None and others >= OTHERS_BUSY) or steal >= STEAL_BUSY
     wanted = used + (queue or 0.0)
-    over = queue is not None and wanted >= OVER_BUDGET * budget
+    over = queue is not None and above(previous, "over_budget", wanted / budget, OVER_BUDGET, OVER_BAND)
     inside = over or (queue is not None and others is not None and not outside)
     sources = []
     if outside:

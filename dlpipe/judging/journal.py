@@ -10,7 +10,12 @@ to telemetry.measurements_file (default ~/.cache/dlpipe/measurements.jsonl). A l
   first); with `model`, a fingerprint of the step, for the two modes where the step is in the figure.
   Only measurements of the same mode and model are compared;
 - `settings`: the loader settings the DataLoader really got (after normalisation), `samples_per_s`,
-  `source` (which command measured it) and `when`.
+  `source` (which command measured it) and `when`;
+- from `dlpipe tune` also `noise` (the gain its search asked of a candidate: bench.min_gain, or twice
+  the spread of the automatic config's repeats, whichever is larger: a figure closer than that to
+  another of the same search is noise), `tune` (the search's id, which the written config's
+  `loader.tuned_on` names) and `context` (batch size, device, CPU budget, host, dataset: what a later
+  run with the tuned config may differ in).
 
 Writing is best-effort: a read-only or full home never fails a job (the advice then rests on the
 run's own numbers). No torch here: the verdict and the config layer read it.
@@ -76,6 +81,12 @@ class Observation:
     samples_per_s: float
     source: str
     when: str
+    noise: float = 0.0
+    """The relative gap under which another figure of the same measurement is noise (dlpipe tune's)."""
+    tune: str = ""
+    """The id of the `dlpipe tune` search that measured it, if one did."""
+    context: dict | None = None
+    """What the measured job was (a tune's: batch_size, device, cpu_budget, host, dataset)."""
 
     def label(self) -> str:
         s = self.settings
@@ -105,6 +116,11 @@ class Journal:
         values = [o.samples_per_s for o in self.observations if o.settings == wanted]
         return statistics.median(values) if values else None
 
+    def noise(self, settings: dict) -> float:
+        """The largest noise recorded with a measurement of exactly these settings (0 when none)."""
+        wanted = effective(settings)
+        return max((o.noise for o in self.observations if o.settings == wanted), default=0.0)
+
 
 class MeasurementFile:
     """Appends and reads one job's lines in telemetry.measurements_file (None: off)."""
@@ -114,12 +130,13 @@ class MeasurementFile:
         self.job, self.mode, self.model = job, mode, model if mode != "loader" else None
         self._warned = False
 
-    def append(self, settings: dict, samples_per_s: float, source: str) -> None:
+    def append(self, settings: dict, samples_per_s: float, source: str, **tune) -> None:
+        """One measurement; `tune`: a tune trial's noise, tune (its id) and context (see the module)."""
         if self.path is None or not samples_per_s > 0:
             return
         line = json.dumps({"job": self.job, "mode": self.mode, "model": self.model, "settings": effective(settings),
                            "samples_per_s": round(float(samples_per_s), 3), "source": source,
-                           "when": time.strftime("%Y-%m-%d %H:%M")}, sort_keys=True)
+                           "when": time.strftime("%Y-%m-%d %H:%M"), **tune}, sort_keys=True)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # One write of one line with O_APPEND: concurrent jobs' lines do not interleave.
@@ -137,25 +154,39 @@ class MeasurementFile:
     def read(self) -> Journal:
         """This job's measurements in this mode; a missing or unreadable file is an empty journal, and a
         torn or foreign line is skipped (another job may be appending right now)."""
-        if self.path is None:
-            return Journal()
+        return _read(self.path, lambda row: (row["job"], row["mode"], row.get("model")) ==
+                     (self.job, self.mode, self.model))
+
+    def read_tune(self, tune: str) -> Journal:
+        """Every trial of the `dlpipe tune` search `tune`, whatever job it measured: a run with the
+        config it wrote may have changed what the job fingerprint holds (batch size, device) and still
+        say what the search found."""
+        return _read(self.path, lambda row: row.get("tune") == tune) if tune else Journal()
+
+
+def _read(path: Path | None, wanted) -> Journal:
+    """The lines of the journal at `path` that `wanted(row)` keeps."""
+    if path is None:
+        return Journal()
+    try:
+        text = _tail(path, READ_BYTES)
+    except OSError:
+        return Journal()
+    found = []
+    for raw in text.splitlines():
         try:
-            text = _tail(self.path, READ_BYTES)
-        except OSError:
-            return Journal()
-        found = []
-        for raw in text.splitlines():
-            try:
-                row = json.loads(raw)
-                if (row["job"], row["mode"], row.get("model")) != (self.job, self.mode, self.model):
-                    continue
-                rate = float(row["samples_per_s"])
-                if math.isfinite(rate) and rate > 0:
-                    found.append(Observation(effective(row["settings"]), rate, str(row.get("source", "?")),
-                                             str(row.get("when", "?"))))
-            except Exception:  # noqa: BLE001 - any line a person or a torn write left is skipped, never fatal
+            row = json.loads(raw)
+            if not wanted(row):
                 continue
-        return Journal(tuple(found))
+            rate = float(row["samples_per_s"])
+            if math.isfinite(rate) and rate > 0:
+                context = row.get("context")
+                found.append(Observation(effective(row["settings"]), rate, str(row.get("source", "?")),
+                                         str(row.get("when", "?")), max(float(row.get("noise") or 0.0), 0.0),
+                                         str(row.get("tune") or ""), context if isinstance(context, dict) else None))
+        except Exception:  # noqa: BLE001 - any line a person or a torn write left is skipped, never fatal
+            continue
+    return Journal(tuple(found))
 
 
 READ_BYTES = 4 * 2**20

@@ -6,7 +6,11 @@ Thresholds (documented in docs/telemetry.md):
 - host-to-device-bound (CUDA only): >= 15% of the epoch is spent blocked in host-to-device copies.
 - compute-bound: neither; the loader keeps up.
 Each is qualified "contended" when the job's threads waited for a CPU a lot (judging.contention); an
-input-bound epoch whose workers waited for a CPU is then not put down to I/O or locks.
+input-bound epoch whose threads waited for a CPU is then not put down to I/O or locks, and never told
+to add workers (they would wait for the same CPUs).
+Under DDP the rules are a single process's, per rank: the CPU budget is the rank's, and an item's cost
+one rank's (judging.advice.PerItem). Near a threshold the previous epoch's answer holds until the
+figure moves beyond a band (judging.steady), so the same evidence gives the same verdict every epoch.
 """
 
 from collections.abc import Callable
@@ -20,13 +24,14 @@ from dlpipe.judging.advice import (
     check,
     fewer_workers_gain,
     gain_text,
-    is_cheap,
     item_cost,
     more_workers_gain,
+    tuned_finding,
     wait_bound,
 )
 from dlpipe.judging.contention import Contention, contention
 from dlpipe.judging.journal import MIN_GAIN, effective
+from dlpipe.judging.steady import COST_BAND, CPU_BAND, WAIT_BAND, above
 from dlpipe.loader import policy
 from dlpipe.machine.hardware import recommended_workers
 
@@ -99,19 +104,20 @@ def diagnose(metrics: dict[str, float], *, num_workers: int, cpu_budget: int, pi
     """The bottleneck of one epoch (or of a run, given epoch means), with advice that no measurement
     in `evidence` (the probe, the measurement journal) contradicts. `warm`: the metrics leave out the
     first epoch's start-up, so they compare with earlier runs' (judging.journal files such runs)."""
-    starved = contention(metrics, cpu_budget)
+    evidence = evidence or Evidence()
+    starved = contention(metrics, cpu_budget, evidence.previous)
     job = Judged(metrics, LoaderState(num_workers, cpu_budget, pin_memory, prefetch_factor, persistent_workers,
-                                      fetch, worker_method), evidence or Evidence(), warm, starved)
+                                      fetch, worker_method), evidence, warm, starved)
     verdict = _judge(job, device_type)
     return replace(verdict, contended=starved.text) if starved is not None else verdict
 
 
 def _judge(job: "Judged", device_type: str) -> Verdict:
-    metrics, pin_memory = job.metrics, job.loader.pin_memory
+    metrics, pin_memory, previous = job.metrics, job.loader.pin_memory, job.evidence.previous
     wait, h2d = metrics.get("data_wait_frac", 0.0), metrics.get("h2d_frac", 0.0)
-    if wait >= INPUT_BOUND:
+    if above(previous, "input_bound", wait, INPUT_BOUND, WAIT_BAND):
         return _input_bound(job)
-    if device_type == "cuda" and h2d >= H2D_BOUND:
+    if device_type == "cuda" and above(previous, "h2d_bound", h2d, H2D_BOUND, WAIT_BAND):
         seen = f"{h2d:.0%} of the epoch blocked in host-to-device copies"
         free = (wait_bound(h2d), "if the copies cost nothing (this epoch's h2d_frac)")
         smaller = Verdict("host-to-device-bound", seen, "send less data per step (uint8 images, normalise on the GPU)",
@@ -142,26 +148,38 @@ class Judged:
         """Advise `override`, with the measured gain where the journal has one and the estimate
         otherwise: (gain, basis), or (gain, basis, True) for a model's rough figure rather than a bound;
         `otherwise(finding)` when a measurement found the change no faster."""
-        finding = check(change, self.loader.settings(), self.metrics, self.evidence, self.warm)
+        current = self.loader.settings()
+        finding = check(change, current, self.metrics, self.evidence, self.warm)
+        advice = f"try {override}"
+        if not finding.measured:  # the search that wrote this config, when this run is another job
+            tuned = tuned_finding(change, current, self.evidence.tuned)
+            if tuned.measured and not tuned.faster:
+                differs = self.evidence.tuned.differs
+                if not differs:  # the same job: what the search found stands
+                    return otherwise(tuned)
+                wait = self.metrics.get("data_wait_frac", 0.0)
+                advice += (f" ({tuned.basis}; this run differs: {differs}, and waits {wait:.0%} of its epoch for "
+                           "data, so measure it here)")
         if finding.measured and not finding.faster:
             return otherwise(finding)
         if finding.measured:
-            return Verdict(kind, seen, f"try {override}", finding.ratio, finding.basis, True, override)
+            return Verdict(kind, seen, advice, finding.ratio, finding.basis, True, override)
         gain, basis, *rough = estimate
-        return Verdict(kind, seen, f"try {override}", gain, basis, change=override, rough=bool(rough and rough[0]))
+        return Verdict(kind, seen, advice, gain, basis, change=override, rough=bool(rough and rough[0]))
 
 
 def _input_bound(job: Judged) -> Verdict:
     metrics, workers, budget = job.metrics, job.loader.num_workers, job.loader.cpu_budget
-    wait = metrics.get("data_wait_frac", 0.0)
-    per_item = PerItem.of(metrics)
+    wait, previous, world = metrics.get("data_wait_frac", 0.0), job.evidence.previous, job.evidence.world
+    per_item = PerItem.of(metrics, world)
     cost, source = item_cost(per_item, workers, job.evidence)
     seen = f"data wait {wait:.0%} of the epoch"
-    if is_cheap(cost):
-        return _cheap_items(job, f"{seen}; items take {cost * 1e6:.1f} us each to fetch in the main process "
+    if cost is not None and not above(previous, "costly_items", cost, policy.CHEAP_ITEM_S, COST_BAND, relative=True):
+        rank = f" on each of {world} ranks" if world > 1 else ""
+        return _cheap_items(job, f"{seen}; items take {cost * 1e6:.1f} us each to fetch in the main process{rank} "
                                  f"({source})", per_item, cost)
     cpu = metrics.get("cpu_util")
-    if cpu is not None and cpu >= CPU_SATURATED and workers > 0:
+    if cpu is not None and workers > 0 and above(previous, "cpu_saturated", cpu, CPU_SATURATED, CPU_BAND):
         return Verdict(
             "cpu-budget-bound",
             f"data wait {wait:.0%} with {cpu:.0f}% of the {budget}-CPU budget in use ({workers} workers)",
@@ -169,6 +187,11 @@ def _input_bound(job: Judged) -> Verdict:
             wait_bound(wait), FREE_DATA,
         )
     target = more_workers(workers, budget)
+    # Starved of CPU, more workers would wait for the same CPUs: advised only where measured faster.
+    if job.starved is not None and target > workers and not _measured_faster(job, {"num_workers": target}):
+        return Verdict("input-bound", f"data wait {wait:.0%} while the job's threads waited for a CPU ({workers} "
+                       f"workers on a {budget}-CPU budget, CPU at {cpu or 0:.0f}% of it): items wait for a CPU, "
+                       "not for more workers", job.starved.advice(), wait_bound(wait), FREE_DATA)
     if target > workers:
         gain = more_workers_gain(per_item, cost, workers, target, wait)
         basis = ("if the loader's rate grew with the workers while the epoch's other work stays (this epoch)"
@@ -189,6 +212,10 @@ def _input_bound(job: Judged) -> Verdict:
 
 
 FREE_DATA = "if the wait for data went away (this epoch's data wait)"
+
+
+def _measured_faster(job: Judged, change: dict) -> bool:
+    return check(change, job.loader.settings(), job.metrics, job.evidence, job.warm).faster
 
 def cheap_items_advice(fetch: str) -> str:
     """What helps when items are cheap; letting the dataset gather only where it does not already."""
@@ -216,8 +243,10 @@ def _cheap_items(job: Judged, seen: str, per_item: PerItem | None, cost: float) 
 
 
 def _no_answer(seen: str, override: str, finding: Finding, wait: float) -> Verdict:
-    """Input-bound, but the change the rules would suggest was measured no faster: say so instead."""
-    return Verdict("input-bound", seen, f"{override} is no answer here ({finding.basis}): make per-item work cheaper "
+    """Input-bound, but the change the rules would suggest was measured no faster (or not beyond the
+    noise of the search that measured it): say so instead."""
+    said = "was measured no faster beyond the noise" if finding.noisy else "is no answer here"
+    return Verdict("input-bound", seen, f"{override} {said} ({finding.basis}): make per-item work cheaper "
                    "(decode or resize ahead of time, cache) or give the job more CPUs",
                    wait_bound(wait), FREE_DATA)
 

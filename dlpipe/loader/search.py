@@ -2,8 +2,10 @@
 
 The search starts at the automatic values and measures rather than guesses, with far fewer
 trials than the full grid:
-1. the automatic config, `bench.repeats` times: its spread is the noise; a candidate has to beat
-   the best by max(bench.min_gain, 2 x noise) to win;
+1. the automatic config, `bench.repeats` times: the standard deviation of its repeats over their
+   median is the noise; a candidate has to beat the best by max(bench.min_gain, 6 x noise /
+   sqrt(repeats)) to win (at 3 repeats about twice the spread of the repeats, as expected of a normal
+   noise; four times the repeats halve it, so more repeats can decide what fewer could not);
 2. num_workers=0, always: for data already in memory the main process beats any worker count,
    and a climb from the automatic value through 1 worker (often the slowest choice) would stop
    before reaching 0;
@@ -20,8 +22,14 @@ trials than the full grid:
    flipped (only with CUDA).
 Before each trial a memory guard estimates workers x prefetch_factor x batch bytes against free
 /dev/shm and the RAM the workers would take against available memory, and skips what does not fit.
+
+What the search may claim (Search.outcome): its choice is the best only when no other candidate
+measured faster; one that did, by less than the noise, is a tie: the search is inconclusive, keeps
+its choice (the automatic config, unless a candidate beat it beyond the noise) and says how many
+repeats would tell them apart.
 """
 
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -102,6 +110,45 @@ def memory_guard(c: Candidate, batch_bytes: int, shm_free: int | None, ram_avail
     return None
 
 
+NOISE_Z = 6.0
+"""A gain must pass NOISE_Z x noise / sqrt(repeats): 3.5 standard deviations of one run at 3 repeats,
+about twice the range three normal repeats span (the rule's earlier form, twice the range)."""
+
+
+def noise_of(runs: list[float]) -> float:
+    """The spread of repeated measurements of one config: their standard deviation over their median."""
+    if len(runs) < 2 or statistics.median(runs) <= 0:
+        return 0.0
+    return statistics.stdev(runs) / statistics.median(runs)
+
+
+def threshold_for(noise: float, repeats: int, min_gain: float) -> float:
+    """The gain a candidate must show over the best to win."""
+    return max(min_gain, NOISE_Z * noise / math.sqrt(max(repeats, 1)))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a finished search may claim: its choice, and the candidates it cannot tell from it."""
+
+    chosen: Candidate
+    ties: tuple[Candidate, ...]
+    """Measured faster than `chosen`, by less than the threshold (fastest first)."""
+    noise: float
+    threshold: float
+    repeats: int
+
+    @property
+    def conclusive(self) -> bool:
+        return not self.ties
+
+    def repeats_to_decide(self, gap: float) -> int:
+        """Repeats at which a relative gap `gap` would pass the threshold, the noise staying as measured."""
+        if gap <= 0 or self.noise <= 0:
+            return self.repeats
+        return max(self.repeats + 1, math.ceil((NOISE_Z * self.noise / gap) ** 2))
+
+
 class Search:
     """The search of the module docstring over an `evaluate(candidate) -> Trial` function."""
 
@@ -118,7 +165,16 @@ class Search:
         self.tune_persistent, self.tune_pin = tune_persistent, tune_pin
         self.gathers, self.tune_threads = gathers, tune_threads
         self.trials: dict[Candidate, Trial] = {}
-        self.threshold = min_gain
+        self.threshold, self.noise = min_gain, 0.0
+
+    def outcome(self, chosen: Candidate) -> Outcome:
+        """`chosen` (what run() returned) with the candidates measured faster than it: the climb only
+        moves beyond the threshold, so each of those is faster by less, a tie it cannot decide."""
+        kept = self.trials[chosen].samples_per_s
+        faster = sorted((t for c, t in self.trials.items() if c != chosen and not t.skipped and t.samples_per_s > kept),
+                        key=lambda t: -t.samples_per_s)
+        return Outcome(chosen, tuple(t.candidate for t in faster), self.noise, self.threshold,
+                       len(self.trials[chosen].runs))
 
     def _with_workers(self, c: Candidate, n: int) -> Candidate:
         moved = c.with_workers(n)
@@ -138,9 +194,8 @@ class Search:
     def run(self, start: Candidate) -> Candidate:
         self._score(start)
         runs = self.trials[start].runs
-        if len(runs) >= 2 and statistics.median(runs) > 0:
-            noise = (max(runs) - min(runs)) / statistics.median(runs)
-            self.threshold = max(self.min_gain, 2 * noise)
+        self.noise = noise_of(runs)
+        self.threshold = threshold_for(self.noise, len(runs), self.min_gain)
         best = start
         if start.num_workers != 0:
             if self._better(self._with_workers(start, 0), best):

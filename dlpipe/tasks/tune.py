@@ -2,21 +2,23 @@
 
 The search itself (candidates, memory guard, the climb over worker counts, prefetch, persistence
 and pinning) is loader.search; this task wires it to the job's data, tracks every trial as a child
-MLflow run and writes the winner as OUTPUT_DIR/loader/NAME.yaml with a header saying what it measured.
+MLflow run and writes the winner as OUTPUT_DIR/loader/NAME.yaml with a header saying what it measured
+(tasks.tune_result: what the search may claim, inconclusive when the noise hides the gaps). Every
+trial goes into the measurement journal with the search's noise and id, which `loader.tuned_on`
+names: a run with the file checks its advice against what the search found (judging.advice).
 """
 
 import dataclasses
 import logging
+import secrets
 import socket
 import time
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
 
 from dlpipe.errors import DlpipeError
-from dlpipe.judging.evidence import bench_mode, measurement_file
+from dlpipe.judging.evidence import bench_mode, measurement_file, tune_context
 from dlpipe.loader import policy, torch_threads, worker_method
 from dlpipe.loader.build import NORMALISED, normalise
 from dlpipe.loader.fetch import find_gather
@@ -28,13 +30,13 @@ from dlpipe.loader.stream_threads import EpochPositions
 from dlpipe.loader.streams import is_stream
 from dlpipe.machine import hardware
 from dlpipe.machine.disk import write_atomic, write_failure
-from dlpipe.machine.gpu import gpu_summary
 from dlpipe.schema import DlpipeConfig
 from dlpipe.stop import Terminated, Unbroken
 from dlpipe.tasks.measurement import prepare_measurement
 from dlpipe.tasks.params import config_params, settings_params
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.tracking_run import open_run, run_tags
+from dlpipe.tasks.tune_result import TuneResult, header, trial_table
 from dlpipe.tracking.run import MlflowRun
 
 log = logging.getLogger("dlpipe")
@@ -60,6 +62,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
         # A trial runs with the threads a run of its loader would get (trainer.torch_threads automatic).
         threads = torch_threads.rule_for(budget.budget, cfg.trainer.device) if job.auto_threads else None
         evaluate = evaluator(cfg, parent, tags, job.train_set, plan.batch_bytes, sampler, job.step, done, threads)
+        tune_id = secrets.token_hex(6)
         search = Search(evaluate, bench.min_gain, max_workers,
                         tune_persistent=crosses_epochs and cfg.trainer.epochs > 1, tune_pin=cuda,
                         seed_workers=hardware.recommended_workers(budget.budget),
@@ -70,16 +73,23 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
         try:
             best = search.run(start)
         except (KeyboardInterrupt, Terminated) as stop:  # the runs end KILLED on the way out
+            record_trials(cfg, budget.budget, done, search.threshold, tune_id)
             report_stopped(done, stop)
             raise
         finally:
             sampler.stop()
+        record_trials(cfg, budget.budget, search.trials, search.threshold, tune_id)
         result = TuneResult(list(search.trials.values()), search.trials[best], search.trials[start],
-                            time.perf_counter() - started, search.threshold)
-        save_result(ctx, cfg, budget, result, parent, {"stream_share": raw["loader"].get("stream_share", "auto")})
+                            time.perf_counter() - started, search.outcome(best), budget.budget)
+        save_result(ctx, cfg, budget, result, parent, {"stream_share": raw["loader"].get("stream_share", "auto")},
+                    tune_id)
     print(result.table(), flush=True)
+    said = result.inconclusive()
+    if said:
+        print(said, flush=True)
     print(f"tuned: {best.label()}: {result.best.samples_per_s:.1f} samples/s, {result.speedup:.2f}x "
-          f"the automatic config, {len(result.trials)} trials in {result.seconds:.0f} s", flush=True)
+          f"the automatic config, {len(result.trials)} trials in {result.seconds:.0f} s"
+          + (" (inconclusive: see above)" if said else ""), flush=True)
     print(f"use it: dlpipe --config-dir {bench.output_dir} loader={bench.name} ...", flush=True)
     return result.best.samples_per_s
 
@@ -90,7 +100,8 @@ def report_stopped(trials: dict[Candidate, Trial], stop: BaseException) -> None:
     why = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else str(stop)
     measured = [t for t in trials.values() if not t.skipped]
     if measured:
-        print(trial_table(list(trials.values()), max(measured, key=lambda t: t.samples_per_s).candidate), flush=True)
+        print(trial_table(list(trials.values()), None, max(measured, key=lambda t: t.samples_per_s).candidate),
+              flush=True)
     n = len(measured)
     print(f"tune: search stopped ({why}) with {n} candidate{'' if n == 1 else 's'} measured; no config written",
           flush=True)
@@ -150,7 +161,6 @@ def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_
     settings = loader_settings(cfg.loader)  # loader.collate_fn built: every candidate collates like the job
     cuda = cfg.trainer.device.startswith("cuda")
     worker_rss = [0.0]  # the largest per-worker RSS measured so far, for the memory guard
-    journal = measurement_file(cfg, hardware.cpu_budget().budget, bench_mode(cfg))  # for later runs' advice
 
     def evaluate(c: Candidate) -> Trial:
         why = memory_guard(c, batch_bytes, hardware.shm_free_bytes(), hardware.memory_available_bytes(), worker_rss[0])
@@ -164,7 +174,6 @@ def evaluator(cfg: DlpipeConfig, parent, tags: dict[str, str], train_set, batch_
                                       cfg.trainer.seed, cuda, sampler, step)
         done[c] = trial
         worker_rss[0] = max(worker_rss[0], trial.metrics.get("worker_rss_mean_mb", 0.0) * 2**20)
-        journal.append({**c.settings(), "pin_memory": c.pin_memory and cuda}, trial.samples_per_s, "dlpipe tune")
         log.info("tune: %s: %s (runs %s)", c.label(), describe(trial.metrics), " ".join(f"{v:.0f}" for v in trial.runs))
         if tracking.enabled:
             with Unbroken(lambda: MlflowRun(tracking.uri, tracking.experiment, c.label(),
@@ -187,23 +196,22 @@ def trial_params(c: Candidate, settings: dict, cuda: bool) -> dict[str, str]:
     return settings_params({**c.settings(), **effective}, requested)
 
 
-@dataclass(frozen=True)
-class TuneResult:
-    trials: list[Trial]
-    best: Trial
-    start: Trial
-    seconds: float
-    threshold: float
-
-    @property
-    def speedup(self) -> float:
-        return self.best.samples_per_s / max(self.start.samples_per_s, 1e-9)
-
-    def table(self) -> str:
-        return trial_table(self.trials, self.best.candidate)
+def record_trials(cfg: DlpipeConfig, cpu_budget: int, trials: dict[Candidate, Trial], noise: float,
+                  tune_id: str) -> None:
+    """Every measured trial into the measurement journal, for later runs' advice (judging.advice), with
+    the search's noise (a gap under it decides nothing), its id (the written file's loader.tuned_on
+    names it) and what the job was (a run with the file may change the batch size or the device)."""
+    journal = measurement_file(cfg, cpu_budget, bench_mode(cfg))
+    context = tune_context(cfg, cpu_budget)
+    cuda = cfg.trainer.device.startswith("cuda")
+    for c, trial in trials.items():
+        if not trial.skipped:
+            journal.append({**c.settings(), "pin_memory": c.pin_memory and cuda}, trial.samples_per_s, "dlpipe tune",
+                           noise=round(noise, 4), tune=tune_id, context=context)
 
 
-def save_result(ctx: JobContext, cfg: DlpipeConfig, budget, result: TuneResult, parent, kept: dict) -> None:
+def save_result(ctx: JobContext, cfg: DlpipeConfig, budget, result: TuneResult, parent, kept: dict,
+                tune_id: str) -> None:
     """The tuned loader config and the trial table into the parent run first (tune/NAME.yaml,
     tune/trials.md, metrics and tags), then as files: OUTPUT_DIR/loader/NAME.yaml, a copy and the
     table in the job's folder. `kept`: values written as the config gave them (a stream's share is
@@ -211,7 +219,7 @@ def save_result(ctx: JobContext, cfg: DlpipeConfig, budget, result: TuneResult, 
     the job in one line naming it, after the config is printed: the search's result is never lost."""
     bench = cfg.bench
     loader = {**dataclasses.asdict(cfg.loader), **kept,
-              "tuned_on": f"cpu_budget={budget.budget} host={socket.gethostname()}"}
+              "tuned_on": f"cpu_budget={budget.budget} host={socket.gethostname()} tune={tune_id}"}
     text = header(cfg, budget, result) + yaml.safe_dump({**loader, **result.best.candidate.settings()},
                                                         sort_keys=False)
     table = result.table()
@@ -221,9 +229,12 @@ def save_result(ctx: JobContext, cfg: DlpipeConfig, budget, result: TuneResult, 
     # under a prefix of its own, as a sweep parent's: the chart view never mixes them with the trials'
     parent.log_metrics({"tune/best_samples_per_s": result.best.samples_per_s,
                         "tune/start_samples_per_s": result.start.samples_per_s, "tune/speedup": result.speedup,
-                        "tune/seconds": result.seconds, "tune/trials": float(len(result.trials))}, step=0)
+                        "tune/seconds": result.seconds, "tune/trials": float(len(result.trials)),
+                        "tune/noise": result.outcome.noise, "tune/inconclusive": float(not result.outcome.conclusive)},
+                       step=0)
     parent.set_tags({"dlpipe.tuned": result.best.candidate.label(),
-                     "dlpipe.tuned_threshold": f"{result.threshold:.3f}"})
+                     "dlpipe.tuned_threshold": f"{result.threshold:.3f}", "dlpipe.tune_id": tune_id,
+                     "dlpipe.tune_outcome": result.inconclusive() or "conclusive: no candidate measured faster"})
     files = [(f"bench.output_dir={bench.output_dir}", Path(bench.output_dir) / "loader" / f"{bench.name}.yaml", text),
              (f"hydra.run.dir={ctx.output_dir}", ctx.output_dir / f"{bench.name}.yaml", text),
              (f"hydra.run.dir={ctx.output_dir}", ctx.output_dir / "tune_trials.md", table + "\n")]
@@ -239,33 +250,6 @@ def save_result(ctx: JobContext, cfg: DlpipeConfig, budget, result: TuneResult, 
         print(text, end="", flush=True)  # the result, for the user to save
         raise DlpipeError(f"{failed[0]}; free space there or choose another folder; the tuned config is "
                           f"{', '.join(kept)}")
-
-
-def header(cfg: DlpipeConfig, budget, result: TuneResult) -> str:
-    """The comment header of the written file: what it was tuned on and what it measured."""
-    devices, _ = gpu_summary()
-    gpu = ", ".join(d.name for d in devices) or "none"
-    limits = [f"affinity {budget.affinity}"]
-    if budget.cgroup_cpus is not None:
-        limits.append(f"cgroup {budget.cgroup_cpus:g}")
-    if budget.slurm_cpus is not None:
-        limits.append(f"SLURM_CPUS_PER_TASK {budget.slurm_cpus}")
-    if budget.local_world_size > 1:
-        limits.append(f"{budget.local_world_size} ranks per node")
-    shm = hardware.shm_bytes()
-    shm_text = f"{shm / 2**20:.0f} MB" if shm is not None else "none"
-    dataset = cfg.dataset.get("_target_", "?").rsplit(".", 1)[-1]
-    best, start = result.best, result.start
-    ratio = best.samples_per_s / start.samples_per_s if start.samples_per_s else float("nan")
-    measured = sum(1 for t in result.trials if not t.skipped)
-    return "\n".join([
-        f"# dlpipe --config-dir {cfg.bench.output_dir} loader={cfg.bench.name}",
-        f"# Written by `dlpipe tune` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC for {dataset}, "
-        f"batch_size {cfg.loader.batch_size}, {cfg.bench.mode} mode.",
-        f"# Host: CPU budget {budget.budget} ({', '.join(limits)}), GPU {gpu}, /dev/shm {shm_text}.",
-        f"# {measured} candidates measured in {result.seconds:.0f} s: {best.samples_per_s:.1f} samples/s against "
-        f"{start.samples_per_s:.1f} for the automatic config ({ratio:.2f}x). Tune again on another machine.",
-    ]) + "\n"
 
 
 def write_whole(path: Path, text: str) -> None:
@@ -291,15 +275,3 @@ def written_by(path: Path) -> str | None:
     said = [line.removesuffix(" Tune again on another machine.") for line in lines
             if line.startswith("Written by") or " candidates measured " in line]
     return " ".join(said) or "not written by dlpipe tune"
-
-
-def trial_table(trials: list[Trial], best: Candidate) -> str:
-    lines = ["| candidate | samples/s (median) | runs | first batch s | cpu % | worker MB | peak MB (all processes) "
-             "| note |", "|---|---|---|---|---|---|---|---|"]
-    for t in trials:
-        m = t.metrics
-        note = "best" if t.candidate == best else (f"skipped: {t.skipped}" if t.skipped else "")
-        lines.append(f"| {t.candidate.label()} | {t.samples_per_s:.1f} | {' '.join(f'{v:.0f}' for v in t.runs)} | "
-                     f"{m.get('first_batch_s', 0):.2f} | {m.get('cpu_util', 0):.0f} | "
-                     f"{m.get('worker_rss_mean_mb', 0):.0f} | {m.get('tree_rss_peak_mb', 0):.0f} | {note} |")
-    return "\n".join(lines)
