@@ -247,6 +247,20 @@ class BenchConfig:
     """tune: the loader option name the result is written as."""
 
 
+@dataclass
+class SweepConfig:
+    """What a training job returns to Hydra's sweepers (`--multirun hydra/sweeper=optuna`): one number, the
+    objective's value at the last epoch (dlpipe/config/objective.py)."""
+
+    objective: str | None = None
+    """The metric returned: any epoch metric the job logs, by dlpipe's name or MLflow's (val_r2 or val/r2,
+    val_acc for a user metric `metrics.acc`, samples_per_s or perf/samples_per_s); None: the metric
+    checkpoint.monitor names (val_loss by default), and nothing when this run does not log it."""
+    direction: str = "auto"
+    """min or max: whether a lower or a higher objective is better; auto: min for a loss or a time, the
+    metric's own direction for a validation metric (torchmetrics' higher_is_better), max for samples_per_s."""
+
+
 SCHEDULER_INTERVALS = ("step", "epoch")
 """scheduler.interval: step the schedule after every optimizer step, or after every epoch."""
 SCHEDULER_DEFAULT_INTERVAL = "epoch"
@@ -286,6 +300,7 @@ class DlpipeConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     task: str = "train"
     """train, bench, tune, eval or plan (`dlpipe bench ...`, `dlpipe tune ...`, `dlpipe eval ...` and
     `dlpipe plan ...` set it)."""
@@ -304,6 +319,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint.mode": ("auto", "min", "max"),
     "bench.mode": ("loader", "train"),
     "tracking.log_model": ("none", "best", "last"),
+    "sweep.direction": ("auto", "min", "max"),
 }
 """The typed keys that take one of a few words (checked in config/validation.py)."""
 

@@ -48,6 +48,7 @@ def test_every_conf_file_belongs_to_a_tested_option():
     for path in conf_dir().rglob("*.yaml"):
         assert path.name == "config.yaml" or path.parent.name in {
             "dataset", "model", "loader", "optim", "loss", "trainer", "tracking", "telemetry", "checkpoint", "bench",
+            "sweep",
             "launcher", "scheduler", "val_dataset", "help",  # help: the --help pages, tests/test_help.py shows each
         }, path
 

@@ -29,6 +29,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
 
 from dlpipe.config.paths import conf_dir
 from dlpipe.config.resolvers import register_resolvers
@@ -307,10 +308,20 @@ def overrides_of(args: list[str]) -> tuple[list[str] | None, str | None]:
     return overrides + extra, None
 
 
+def swept_values(override) -> list[str | None]:
+    """The values a swept key takes: each of a choice or range, both ends of an interval (Optuna's
+    search space: `tag(log,interval(1e-4,1e-1))`); [None] for a key that is not swept."""
+    if not override.is_sweep_override():
+        return [None]
+    if override.value_type == ValueType.INTERVAL_SWEEP:
+        return [str(override.value().start), str(override.value().end)]
+    return list(override.sweep_string_iterator())
+
+
 def sweep_points(overrides: list[str]) -> list[list[str]]:
     """One override list per swept value: every value of each swept key, the others at their first."""
     parsed = OverridesParser.create().parse_overrides(overrides)
-    values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else [None] for o in parsed]
+    values = [swept_values(o) for o in parsed]
     first = [o.input_line if v[0] is None else f"{o.get_key_element()}={v[0]}" for o, v in zip(parsed, values)]
     points = [first]
     for k, (o, vs) in enumerate(zip(parsed, values)):

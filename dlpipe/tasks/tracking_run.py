@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 
+from dlpipe.config.objective import DIRECTION_TAG, OBJECTIVE_TAG, SweepObjective
 from dlpipe.config.tracking_checks import env_tags
 from dlpipe.errors import DlpipeError, first_line
 from dlpipe.redact import redact_overrides, redact_text
@@ -13,6 +14,7 @@ from dlpipe.schema import TrackingConfig
 from dlpipe.stop import Unbroken
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tracking.context_tags import context_tags
+from dlpipe.tracking.metric_names import mlflow_name
 from dlpipe.tracking.null_run import NullRun
 from dlpipe.tracking.outbox import OUTBOX_FILE
 from dlpipe.tracking.run import PARENT_RUN_ENV, MlflowRun
@@ -33,6 +35,14 @@ def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
         **context_tags(),  # MLflow's own run context: who ran what, from where
         **extra,
     }
+
+
+def objective_tags(objective: SweepObjective | None) -> dict[str, str]:
+    """What a sweep's summary ranks a training run by (sweep.objective): the metric as MLflow names it
+    (`val/r2`) and `min` or `max`; none for a run without an objective."""
+    if objective is None:
+        return {}
+    return {OBJECTIVE_TAG: mlflow_name(objective.metric), DIRECTION_TAG: str(objective.direction)}
 
 
 def start_tracking(tracking: TrackingConfig):

@@ -15,19 +15,22 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dlpipe.config.objective import SweepObjective, choose_objective, settle, sweep_settings, sweeper_of_this_job
 from dlpipe.console import summary_table
 from dlpipe.redact import redact_text
 from dlpipe.schema import DlpipeConfig, TrackingConfig
 from dlpipe.stop import ignore_termination, stop_gracefully
+from dlpipe.tasks.fit_checks import TELEMETRY_METRICS
 from dlpipe.tasks.preflight import JobContext, preflight
-from dlpipe.tasks.tracking_run import open_run, start_tracking
+from dlpipe.tasks.tracking_run import objective_tags, open_run, start_tracking
 from dlpipe.tracking.given_run import given_run_id
+from dlpipe.tracking.metric_names import dlpipe_name
 from dlpipe.tracking.protocols import JobRun
 from dlpipe.tracking.sidecar_run import SidecarRun
 from dlpipe.training import distributed
 from dlpipe.training.requeue import submitit_signal
 
-# Imported inside functions: torch and every module that imports it (train_job, resume_point,
+# Imported inside functions: torch and every module that imports it (train_job, resume_point, build,
 # training's checkpoint and resume, loader.fetch, logged_model). The CLI imports this module before it
 # resolves the config, to call start_early: the tracking process starts while torch loads (~1 s).
 
@@ -35,8 +38,9 @@ log = logging.getLogger("dlpipe")
 
 
 def run(ctx: JobContext, raw: dict, resolved: dict, sidecar=None) -> float | None:
-    """Train one job; returns the last validation loss (for sweepers that minimise it). `sidecar`:
-    the tracking process the CLI started (start_early), if it did; the CLI closes it."""
+    """Train one job; returns its objective at the last epoch (sweep.objective, for Hydra's sweepers), or
+    None without one. `sidecar`: the tracking process the CLI started (start_early), if it did; the CLI
+    closes it."""
     ranks = distributed.ranks_from_env()
     trainer = resolved["trainer"]  # before validation: refuse a launch that cannot work first
     distributed.check_ranks(ranks, ctx.multirun, trainer["device"], os.environ, trainer["devices"])
@@ -48,14 +52,15 @@ def run(ctx: JobContext, raw: dict, resolved: dict, sidecar=None) -> float | Non
         # Each rank its own GPU, before the config is checked and its values explained.
         trainer["device"] = distributed.device_for("cuda", ranks, torch.cuda.device_count())
     cfg, decided = preflight(raw, resolved, "train", ctx)
+    objective = sweep_objective(cfg, resolved)
     if not ranks.distributed:
-        return train(ctx, raw, cfg, decided, distributed.SINGLE, sidecar)
+        return train(ctx, raw, cfg, decided, distributed.SINGLE, sidecar, objective)
     distributed.start(ranks, cfg.trainer.device)
     try:
         # Every rank resumes from and reports to rank 0's output directory (the others' own,
         # from their own clock, may differ by a second).
         ctx = replace(ctx, output_dir=Path(distributed.broadcast(str(ctx.output_dir))))
-        result = train(ctx, raw, cfg, decided, ranks, sidecar)
+        result = train(ctx, raw, cfg, decided, ranks, sidecar, objective)
         distributed.barrier()  # no rank tears its connections down while another still uses them
         return result
     except BaseException as error:
@@ -84,7 +89,17 @@ def start_early(cfg: DictConfig):
     return SidecarRun.start(uri, timeout_s, retries)
 
 
-def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks, sidecar) -> float | None:
+def sweep_objective(cfg: DlpipeConfig, resolved: dict) -> SweepObjective | None:
+    """sweep.objective checked on the config, before anything is built (config.objective); sets cfg.sweep
+    from `resolved`. A metric may be named as MLflow names it (`val/r2`)."""
+    from dlpipe.tasks.build import build_objective
+
+    cfg.sweep = sweep_settings(resolved)
+    return choose_objective(cfg, TELEMETRY_METRICS, build_objective(cfg).kind, sweeper_of_this_job(), dlpipe_name)
+
+
+def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks, sidecar,
+          objective: SweepObjective | None = None) -> float | None:
     from dlpipe.tasks.resume_point import checkpoint_folder, require_checkpoint
     from dlpipe.training.checkpoint import CheckpointStore
 
@@ -98,7 +113,7 @@ def train(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str]
     if own:  # the CLI started none: the values it read were not usable as they were
         sidecar = start_tracking(tracking)
     try:
-        return train_tracked(ctx, raw, cfg, decided, ranks, tracking, given, sidecar)
+        return train_tracked(ctx, raw, cfg, decided, ranks, tracking, given, sidecar, objective)
     finally:
         if own:
             sidecar.close()  # a job refused while it was built leaves no run (the process opened none)
@@ -116,13 +131,19 @@ def resume_comparisons(config_keys, samples_follow_loader: bool = False) -> dict
 
 
 def train_tracked(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, str], ranks,
-                  tracking: TrackingConfig, given: str | None, sidecar) -> float | None:
+                  tracking: TrackingConfig, given: str | None, sidecar, objective: SweepObjective | None = None
+                  ) -> float | None:
     """Build the job, resume it, fit it inside its tracking run (`tracking`: this rank's settings,
-    off but on rank 0; `given`: MLFLOW_RUN_ID's run; `sidecar`: the started tracking process), report it."""
+    off but on rank 0; `given`: MLFLOW_RUN_ID's run; `sidecar`: the started tracking process), report it;
+    returns `objective`'s last value."""
     from dlpipe.tasks.train_job import build_job
 
     # Our own process must not be importing mlflow while the loader is measured.
     job = build_job(ctx, raw, cfg, decided, ranks, before_measuring=sidecar.wait_prepared if sidecar else None)
+    # A validation metric's name and direction are known once built: still before the run opens.
+    validating = job.val_plan is not None and cfg.trainer.limit_val_batches != 0
+    objective = settle(objective, job.trainer.val_metrics, validating, sweeper_of_this_job())
+    job.tags.update(objective_tags(objective))
     resume_run_id = job.resume() or given  # a checkpoint's own run first: it holds the epochs resumed
     job.start_worker_helpers()
     with (stop_gracefully(job.trainer.stop, submitit_signal()),
@@ -150,7 +171,7 @@ def train_tracked(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[s
         print(f"bottleneck: {verdict.line()}", flush=True)
         if run.run_id:
             log.info("MLflow run %s (%s) in %s", run.run_id, run.status, redact_text(cfg.tracking.uri))
-    return last_val_loss(history)
+    return objective.value(history) if objective is not None else None
 
 
 def log_pytorch_model(run: JobRun, job, checkpoint: Path) -> None:
@@ -162,8 +183,4 @@ def log_pytorch_model(run: JobRun, job, checkpoint: Path) -> None:
                             item_collate(job.loader), job.ctx.output_dir)
     if exported is not None:
         run.log_pytorch_model(*exported)
-
-
-def last_val_loss(history: list[dict[str, float]]) -> float | None:
-    return history[-1].get("val_loss") if history else None
 

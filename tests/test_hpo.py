@@ -1,0 +1,53 @@
+"""Hyperparameter search through the real CLI: Hydra's Optuna sweeper (the `hpo` extra) optimises what
+each dlpipe job returns, sweep.objective's value at the last epoch, read back from a real MLflow store."""
+
+import importlib.util
+
+import pytest
+import yaml
+from conftest import runs_of
+
+OPTUNA_MISSING = importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None
+# The regression recipe made tiny: a few seconds a trial on 2 CPUs.
+TINY_REGRESSION = ["+recipe=regression", "trainer.epochs=2", "dataset.size=512", "trainer.progress=false"]
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(OPTUNA_MISSING, reason="Hydra's Optuna sweeper is not installed: pip install -e '.[hpo]'")
+def test_optuna_search_receives_the_objective_the_children_logged(dlpipe, tmp_path, mlflow_store, mlflow_client):
+    r = dlpipe("--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.direction=maximize",
+               "hydra.sweeper.sampler.seed=0", "hydra.sweep.dir=search", "optim.lr=tag(log,interval(1e-4,1e-1))",
+               "sweep.objective=val/r2", *TINY_REGRESSION, f"tracking.uri={mlflow_store}",
+               "tracking.experiment=hpo", timeout=600)
+    assert r.returncode == 0, r.stderr
+    runs = runs_of(mlflow_client, "hpo")
+    [parent] = [x for x in runs if x.data.tags.get("dlpipe.role") == "sweep"]
+    children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 3 and len(runs) == 4
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert child.data.tags["dlpipe.objective"] == "val/r2"
+        assert child.data.tags["dlpipe.objective_direction"] == "max"
+        assert child.data.params["sweep.objective"] == "val/r2"
+    assert len({c.data.params["optim.lr"] for c in children}) == 3
+    # What Optuna recorded as the best trial is what the best child logged at its last epoch.
+    result = yaml.safe_load((tmp_path / "search" / "optimization_results.yaml").read_text())
+    best = max(children, key=lambda c: c.data.metrics["val/r2"])
+    assert result["best_value"] == pytest.approx(best.data.metrics["val/r2"], rel=1e-9, abs=0)
+    assert result["best_params"]["optim.lr"] == pytest.approx(float(best.data.params["optim.lr"]))
+    last_epoch = max(mlflow_client.get_metric_history(best.info.run_id, "val/r2"), key=lambda m: m.step)
+    assert last_epoch.value == best.data.metrics["val/r2"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("args, line", [
+    (["sweep.objective=val_r2"], "sweep.objective=val_r2: this job does not log it; it logs train_loss, val_loss, "
+                                 "val_accuracy or a timing such as samples_per_s"),
+    (["sweep.objective=val/loss", "trainer.val_fraction=0"], "sweep.objective=val/loss: this job does not validate"),
+])
+def test_an_objective_the_job_will_not_log_is_refused_before_anything_is_made(dlpipe, tmp_path, args, line):
+    r = dlpipe("+recipe=smoke", *args, f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    assert r.returncode == 2, r.stderr
+    [error] = [x for x in r.stderr.splitlines() if x]
+    assert error.startswith(f"dlpipe: error: {line}"), error
+    assert list(tmp_path.iterdir()) == []  # no output folder, no MLflow store
