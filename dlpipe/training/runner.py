@@ -184,8 +184,7 @@ class Trainer:
             last = done + 1 == total  # the epoch's last batch; never known without a length
             # The epoch's last batch ends its window too: a last, partial window still updates the model.
             steps_now = window.full or last
-            if self.first_step.pending:
-                self.first_step.before(self.objective, batch)  # once: compiling? unshifted labels?
+            self.first_step.before(self.objective, batch)  # once: compiling? unshifted labels?
             # DDP averages gradients over ranks in backward; on the micro-batches that do not end
             # an optimizer step there is nothing to average yet, so skip that communication.
             with nullcontext() if steps_now or self.net is self.model else self.net.no_sync():
@@ -193,8 +192,7 @@ class Trainer:
                     loss = self.objective.loss(*self.objective.forward(self.net, batch))
                 # a full window of full batches scales by 1: no multiply, and no node for backward to visit
                 self.scaler.scale(loss if scale == 1 else loss * scale).backward()
-            if self.first_step.pending:
-                self.first_step.after()
+            self.first_step.after()
             self.guard.add(loss.detach(), n, sums)
             if steps_now:
                 self._optimizer_step(window)
