@@ -7,6 +7,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from slurm_cluster import slurm  # noqa: F401  (the session's one-node Slurm cluster, for tests/test_slurm*.py)
 
 TESTS_DIR = Path(__file__).resolve().parent
 
