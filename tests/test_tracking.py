@@ -118,10 +118,10 @@ def test_a_sweep_reads_at_a_glance_in_what_the_ui_shows(dlpipe, mlflow_server):
     assert {tags[c["info"]["run_id"]]["mlflow.parentRunId"] for c in children} == {parent["info"]["run_id"]}
     assert all(tags[run["info"]["run_id"]]["mlflow.source.name"] == "dlpipe" for run in runs)  # the UI's Source
     assert all(run["info"]["status"] == "FINISHED" for run in runs)
-    best = tags[parent["info"]["run_id"]]["dlpipe.best_job"]
-    assert tags[parent["info"]["run_id"]]["mlflow.note.content"].startswith(f"**Fastest:** {best} (")
+    assert tags[parent["info"]["run_id"]]["mlflow.note.content"].startswith("**Best val_loss: ")
     assert all(tags[c["info"]["run_id"]]["mlflow.note.content"].startswith("**Bottleneck:** ") for c in children)
-    assert [m["key"] for m in parent["data"]["metrics"]] == ["sweep/best_samples_per_s"]
+    # a best and a fastest job only where the sweep's noise allows one: their metrics likewise
+    assert {m["key"] for m in parent["data"].get("metrics", [])} <= {"sweep/best_val_loss", "sweep/best_samples_per_s"}
     for child in children:
         sections = {m["key"].partition("/")[0] for m in child["data"]["metrics"] if m["key"] != "epoch"}
         # contention/ where this kernel gives the figures (PSI, schedstat, /proc/stat)
