@@ -283,3 +283,27 @@ def test_a_cli_run_records_the_contention_figures_every_epoch(dlpipe, mlflow_cli
             if key.endswith("_frac"):
                 assert value <= 1, key
     assert all(v > 0 for _, v in epoch_history(mlflow_client, run.info.run_id, mlflow_name("cpu_s_per_sample")))
+
+
+def test_the_other_ranks_torchrun_started_here_are_the_jobs_not_others():
+    """Under torchrun (its agent the parent of every rank on the node) a rank's siblings are the job;
+    without torchrun's variables, or alone on the node, no process is."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from dlpipe.telemetry.contention import sibling_ranks
+
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        me = psutil.Process(ranks[0].pid)
+        torchrun = {"TORCHELASTIC_RUN_ID": "job", "LOCAL_WORLD_SIZE": "2"}
+        siblings = {p.pid for p in sibling_ranks(me, torchrun)}
+        assert ranks[1].pid in siblings and ranks[0].pid not in siblings
+        assert sibling_ranks(me, {"LOCAL_WORLD_SIZE": "2"}) == []  # not started by torchrun
+        assert sibling_ranks(me, {**torchrun, "LOCAL_WORLD_SIZE": "1"}) == []
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()

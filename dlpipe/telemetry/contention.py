@@ -14,12 +14,16 @@ Figures (absent where the kernel has no such file):
   system, without a cgroup PSI file) waited for a CPU.
 - `cpu_steal_frac`: the share of the job's CPUs' time the hypervisor gave to other guests.
 - `cpu_others_frac`: the share of the job's CPUs (its affinity) busy with processes outside its tree.
+  Under torchrun the job's other ranks on this node (and their workers) are the job's (`sibling_ranks`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import psutil
 
 from dlpipe.machine import cpu_pressure
 from dlpipe.machine.cgroups import read_text
@@ -27,7 +31,20 @@ from dlpipe.machine.cgroups import read_text
 NS = 1e-9
 GROUPS = ("main", "workers", "other")
 """How the sampler files the job's processes: the main process, DataLoader workers (and their
-helpers), and the job's other processes (the tracking process), which count as the job's CPU only."""
+helpers), and the job's other processes (the tracking process, the other ranks on this node), which
+count as the job's CPU only."""
+
+
+def sibling_ranks(proc: psutil.Process, env: Mapping[str, str] = os.environ) -> list[psutil.Process]:
+    """The job's other ranks on this node where torchrun started them (its agent's other children): their
+    CPU is the job's, not others', or each of 2 ranks on 2 CPUs reads the other as contention from outside."""
+    if "TORCHELASTIC_RUN_ID" not in env or int(env.get("LOCAL_WORLD_SIZE") or 1) <= 1:
+        return []
+    try:
+        agent = proc.parent()
+        return [p for p in agent.children() if p.pid != proc.pid] if agent is not None else []
+    except psutil.Error:
+        return []
 
 
 @dataclass

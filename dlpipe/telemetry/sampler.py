@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from dlpipe.machine import gpu, hardware
-from dlpipe.telemetry.contention import ContentionMeter
+from dlpipe.telemetry.contention import ContentionMeter, sibling_ranks
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class ResourceSampler:
         self._gpu_index = gpu_index  # an NVML index or UUID, passed through to gpu.Nvml
         self.gpu_status = "not requested"
         self.contention = contention or ContentionMeter()
+        self._siblings = sibling_ranks(self._proc)  # the job's other ranks here: their CPU is the job's
 
     def start(self) -> "ResourceSampler":
         if self._gpu_index is not None:
@@ -196,6 +197,11 @@ class ResourceSampler:
                 rss += own
                 biggest = max(biggest, own)
                 workers += 1
+        for sibling in self._siblings:
+            try:
+                pids["other"] += [sibling.pid, *(c.pid for c in sibling.children(recursive=True))]
+            except psutil.Error:
+                continue  # a rank that ended first
         return main, descendants, rss, biggest, workers, pids
 
     def tree_cpu_s(self) -> float | None:
