@@ -502,7 +502,7 @@ def notes(facts: dict, grid_pass: float, measured: float) -> list[str]:
             f"tune: {len(search.trials)} candidates x {repeats} measurements in {tune_s:.1f} s; the grid: "
             f"{grid_pass:.1f} s a pass, {grid_pass * repeats:.1f} s at tune's {repeats} measurements per config "
             f"(tune / grid {cost:.2f}); all rounds of the grid in this run: {measured:.1f} s.",
-            f"tune's trials (threshold {search.threshold:.2f}, from the start's spread): {trials}."]
+            f"tune's trials (threshold {search.threshold:.2f}, from the noise of the start's repeats): {trials}."]
 
 
 def met(ok: bool) -> str:
