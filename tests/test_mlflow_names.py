@@ -60,6 +60,8 @@ def test_a_run_name_says_the_value_that_ran_where_dlpipe_ran_another():
     assert job_name("smoke", ["loader.num_workers=0", "loader.pin_memory=false"], swept,
                     {"loader.pin_memory": "False", "loader.num_workers": "0"}) == "0 false"
     assert job_name("smoke", ["loader.pin_memory=true"], None, ran) == "smoke pin_memory=true->false"
+    # as Hydra hands the values of `loader.pin_memory=false,true` to the sweep's jobs
+    assert job_name("smoke", ["loader.num_workers=0", "loader.pin_memory=True"], swept, ran) == "0 true->false"
 
 
 def test_run_names_hold_no_class_paths_and_no_long_floats():

@@ -45,7 +45,8 @@ def value(override: str, ran: dict[str, str] | None = None) -> str:
     """The override's value as a name shows it: a class by its last part, a long float to 4
     significant digits, and `asked->ran` where the job's params say dlpipe ran another value."""
     key, _, given = override.lstrip("+~").partition("=")
-    shown = _CLASS_PATH.sub(r"\1", given) if TARGET in override else _short_number(given)
+    # (Hydra hands a sweep's jobs `pin_memory=False` for the `false` its parent was given)
+    shown = _CLASS_PATH.sub(r"\1", given) if TARGET in override else _yaml(_short_number(given))
     ran = ran or {}
     if REQUESTED + key in ran and key in ran and ran[key] != ran[REQUESTED + key]:
         return f"{shown}->{_yaml(ran[key])}"
@@ -100,5 +101,5 @@ def _short_number(text: str) -> str:
 
 
 def _yaml(param: str) -> str:
-    """A param's Python spelling (`False`, `None`) as the command line writes it (`false`, `null`)."""
+    """Python's spelling (`False`, `None`: params, Hydra's job overrides) as YAML's (`false`, `null`)."""
     return {"True": "true", "False": "false", "None": "null"}.get(param, param)
