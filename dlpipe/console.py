@@ -64,7 +64,7 @@ RUN_COLUMNS = [
     ("gpu %", "gpu_util", "{:.0f}"),
     ("peak rss MB", "rss_peak_mb", "{:.0f}"),  # the main process's largest sample of the epoch
 ]
-USER_METRIC_FORMAT = "{:.4g}"  # any scale: an accuracy (0.9375), an error in the thousands (1234)
+USER_METRIC_FORMAT = "{:.4f}"  # as the losses: 1.0000 for a perfect F1, not 1
 
 
 def summary_columns(rows: list[dict[str, float]]) -> list[tuple[str, str, str]]:

@@ -268,7 +268,7 @@ def test_summary_table_shows_every_user_metric_and_one_unit_for_data_wait():
     cells = parse_table(summary_table(rows))
     assert cells[0] == ["epoch", "train loss", "val loss", "val acc", "val f1", "val mae", "samples/s", "data wait",
                         "peak rss MB"]
-    assert [r[3:6] for r in cells[1:]] == [["0.8125", "0.75", "-"], ["0.9375", "-", "1234"]]
+    assert [r[3:6] for r in cells[1:]] == [["0.8125", "0.7500", "-"], ["0.9375", "-", "1234.5000"]]
     assert [r[7] for r in cells[1:]] == ["4.0%", "10.0%"]
     # beside the built-in accuracy, a metric named acc is titled by its key
     assert parse_table(summary_table([{"val_accuracy": 0.5, "val_acc": 0.5}]))[0] == ["val acc", "val_acc"]
