@@ -107,6 +107,7 @@ def _job(cfg: DictConfig):
             multirun=multirun,
             config_dir=next((s.path for s in hc.runtime.config_sources if s.provider == "command-line"), None),
             choices={group: option for group, option in hc.runtime.choices.items() if option is not None},
+            job_num=int(hc.job.num) if multirun and hc.job.get("num") is not None else None,
         )
         # Before resolving: ${auto_workers:} divides the CPUs by the ranks on this node.
         export_submitit_env()

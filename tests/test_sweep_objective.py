@@ -53,7 +53,7 @@ def job(*overrides: str, recipe: str = "smoke"):
 
 
 def chosen(*overrides: str, recipe: str = "smoke") -> SweepObjective | None:
-    return sweep_objective(*job(*overrides, recipe=recipe))
+    return sweep_objective(job(*overrides, recipe=recipe)[0])
 
 
 @pytest.mark.parametrize("overrides, recipe, metric, direction", [
@@ -79,7 +79,7 @@ def test_a_user_metric_takes_its_direction_from_torchmetrics_once_built():
     cfg, resolved = job("+metrics.acc._target_=torchmetrics.classification.MulticlassAccuracy",
                         "+metrics.acc.num_classes=10", "+metrics.err._target_=torchmetrics.MeanAbsoluteError",
                         "sweep.objective=val/acc")
-    objective = sweep_objective(cfg, resolved)
+    objective = sweep_objective(cfg)
     assert (objective.metric, objective.direction, objective.named) == ("val_acc", None, "val/acc")
     built = {"acc": torchmetrics.classification.MulticlassAccuracy(num_classes=10),
              "err": torchmetrics.MeanAbsoluteError()}
@@ -121,7 +121,8 @@ def test_a_metric_that_does_not_say_its_direction_is_refused_under_auto():
     (("sweep.objective=cpu_util",), "sweep.objective=cpu_util with sweep.direction=auto: whether more of it is "
                                     "better is yours to say; set sweep.direction=min or sweep.direction=max"),
     (("sweep.direction=up",), "sweep.direction=up: allowed: auto, min, max"),
-    (("+sweep.objectiv=val_loss",), "sweep.objectiv: no such key; allowed: objective, direction"),
+    (("+sweep.objectiv=val_loss",), "sweep.objectiv: no such key; did you mean sweep.objective? allowed: direction, "
+                                    "objective"),
 ])
 def test_an_objective_the_job_will_not_log_is_refused_in_one_line(overrides, line):
     with pytest.raises(ConfigError) as e:
@@ -132,7 +133,7 @@ def test_an_objective_the_job_will_not_log_is_refused_in_one_line(overrides, lin
 
 def test_the_default_is_dropped_where_the_run_does_not_log_it_unless_a_sweeper_reads_it():
     cfg, resolved = job("trainer.val_fraction=0")
-    assert sweep_objective(cfg, resolved) is None  # a single run (or the basic sweeper) returns nothing
+    assert sweep_objective(cfg) is None  # a single run (or the basic sweeper) returns nothing
     basic = Sweeper(BASIC_SWEEPER)
     assert choose_objective(cfg, set(), "classification", basic) is None
     with pytest.raises(ConfigError) as e:

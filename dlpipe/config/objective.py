@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from dlpipe.errors import ConfigError
-from dlpipe.schema import CHOICES, DlpipeConfig, SweepConfig, allowed
+from dlpipe.schema import DlpipeConfig
 
 log = logging.getLogger("dlpipe")
 
@@ -90,20 +90,6 @@ def sweeper_of_this_job() -> Sweeper | None:
         return None
     node = HydraConfig.get().sweeper
     return Sweeper(str(node.get("_target_")), node.get("direction"))
-
-
-def sweep_settings(resolved: dict) -> SweepConfig:
-    """The `sweep` section as typed settings; a key the schema lacks (`+sweep.x=...`) or a direction
-    outside schema.CHOICES is refused."""
-    node = resolved.get("sweep") or {}
-    keys = list(SweepConfig.__dataclass_fields__)
-    problems = [f"sweep.{key}: no such key; allowed: {', '.join(keys)}" for key in node if key not in keys]
-    settings = SweepConfig(**{k: v for k, v in node.items() if k in keys})
-    if settings.direction not in CHOICES["sweep.direction"]:
-        problems.append(f"sweep.direction={settings.direction}: allowed: {allowed('sweep.direction')}")
-    if problems:
-        raise ConfigError(problems)
-    return settings
 
 
 def validates(cfg: DlpipeConfig) -> bool:

@@ -22,6 +22,7 @@ from dlpipe.schema import (
     CheckpointConfig,
     DlpipeConfig,
     LoaderConfig,
+    SweepConfig,
     TelemetryConfig,
     TrackingConfig,
     TrainerConfig,
@@ -204,7 +205,8 @@ def _steps_on_a_metric(target: str) -> bool:
 _SECTIONS = {"loader": (LoaderConfig, _check_loader), "trainer": (TrainerConfig, _check_trainer),
              "tracking": (TrackingConfig, check_tracking), "telemetry": (TelemetryConfig, _check_telemetry),
              "checkpoint": (CheckpointConfig, _check_checkpoint), "bench": (BenchConfig, _check_bench),
-             "batch": (BatchConfig, lambda c: [])}
+             "batch": (BatchConfig, lambda c: []),
+             "sweep": (SweepConfig, lambda c: _not_allowed("sweep.direction", c.direction))}
 
 
 def _unknown_keys(section: str, schema, node: dict) -> list[str]:
@@ -270,11 +272,12 @@ def validate(resolved: dict, cpu_budget: int | None = None) -> DlpipeConfig:
         problems.append(f"task={resolved['task']}: allowed: {allowed('task')}")
     sections = {}
     for section, (schema, check) in _SECTIONS.items():
-        unknown = _unknown_keys(section, schema, resolved[section])
+        node = resolved[section] if section != "sweep" else resolved.get(section) or {}  # sweep: newer than stores
+        unknown = _unknown_keys(section, schema, node)
         if unknown:
             problems += unknown
             continue
-        sections[section] = _typed(schema, resolved[section])
+        sections[section] = _typed(schema, node)
         problems += check(sections[section])
     if "loader" in sections:
         problems += _check_worker_bound(sections["loader"], cpu_budget or hardware.cpu_budget().budget)

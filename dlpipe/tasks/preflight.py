@@ -33,6 +33,7 @@ class JobContext:
     multirun: bool
     config_dir: str | None = None  # --config-dir, if given: with the overrides, what a resume repeats
     choices: dict[str, str] = field(default_factory=dict)  # group -> option, as Hydra composed them
+    job_num: int | None = None  # Hydra's job number in a multirun (#N in the sweep's summary); None outside one
 
     @property
     def origin(self) -> Origin:

@@ -32,6 +32,8 @@ def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
         "dlpipe.overrides": " ".join(redact_overrides(ctx.overrides)) or "none",
         "dlpipe.host": socket.gethostname(),
         "dlpipe.output_dir": str(ctx.output_dir),
+        # a sweep's summary numbers its rows by it (sweeps.jobs.JOB_NUM_TAG), as Hydra numbers the jobs
+        **({"dlpipe.job_num": str(ctx.job_num)} if ctx.job_num is not None else {}),
         **context_tags(),  # MLflow's own run context: who ran what, from where
         **extra,
     }

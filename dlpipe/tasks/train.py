@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from dlpipe.config.objective import SweepObjective, choose_objective, settle, sweep_settings, sweeper_of_this_job
+from dlpipe.config.objective import SweepObjective, choose_objective, settle, sweeper_of_this_job
 from dlpipe.console import summary_table
 from dlpipe.redact import redact_text
 from dlpipe.schema import DlpipeConfig, TrackingConfig
@@ -52,7 +52,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict, sidecar=None) -> float | Non
         # Each rank its own GPU, before the config is checked and its values explained.
         trainer["device"] = distributed.device_for("cuda", ranks, torch.cuda.device_count())
     cfg, decided = preflight(raw, resolved, "train", ctx)
-    objective = sweep_objective(cfg, resolved)
+    objective = sweep_objective(cfg)
     if not ranks.distributed:
         return train(ctx, raw, cfg, decided, distributed.SINGLE, sidecar, objective)
     distributed.start(ranks, cfg.trainer.device)
@@ -89,12 +89,11 @@ def start_early(cfg: DictConfig):
     return SidecarRun.start(uri, timeout_s, retries)
 
 
-def sweep_objective(cfg: DlpipeConfig, resolved: dict) -> SweepObjective | None:
-    """sweep.objective checked on the config, before anything is built (config.objective); sets cfg.sweep
-    from `resolved`. A metric may be named as MLflow names it (`val/r2`)."""
+def sweep_objective(cfg: DlpipeConfig) -> SweepObjective | None:
+    """sweep.objective checked on the config, before anything is built (config.objective). A metric
+    may be named as MLflow names it (`val/r2`)."""
     from dlpipe.tasks.build import build_objective
 
-    cfg.sweep = sweep_settings(resolved)
     return choose_objective(cfg, TELEMETRY_METRICS, build_objective(cfg).kind, sweeper_of_this_job(), dlpipe_name)
 
 

@@ -63,7 +63,7 @@ def check_model_fits(model, saved: dict, path: Path, key: str = "") -> None:
 # train, and the loader settings that decide only how fast batches come (which samples a batch holds
 # and their random draws depend on seed, epoch and sample index alone), so `dlpipe tune` or loader=auto
 # deciding differently on a busier machine changes nothing the run computes.
-_EXPECTED_TO_CHANGE = ("checkpoint.", "trainer.epochs", "trainer.max_steps")
+_EXPECTED_TO_CHANGE = ("checkpoint.", "sweep.", "trainer.epochs", "trainer.max_steps")
 LOADER_SPEED_KEYS = frozenset(
     f"loader.{k}" for k in ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "timeout",
                             "multiprocessing_context", "fetch", "worker_method", "tuned_on")
