@@ -4,8 +4,10 @@ travels from the signal handler to the training loop and to the DataLoader worke
 SIGTERM (Slurm preemption, `kill`, `docker stop`), SIGINT (Ctrl-C) and SIGUSR1/2 (Slurm's advance
 warning, submitit's requeue signal) ask training to stop at its next optimizer step, where the job
 writes a checkpoint and ends its run KILLED. A second signal while training stops at once (the loader
-may be stuck); once the stop is being recorded, further signals are ignored so they cannot cut a
-checkpoint or the run's status short.
+may be stuck), unless it comes within SAME_STOP_S of the first and is not Ctrl-C: Slurm's preemption
+sends SIGTERM, SIGCONT, SIGTERM within about 10 ms, which is one request, not an insisting user. Once
+the stop is being recorded, further signals are ignored so they cannot cut a checkpoint or the run's
+status short.
 
 The same signal often reaches the DataLoader workers too (Ctrl-C goes to the terminal's process
 group, `scancel` to every process of the step). Workers read a shared timestamp of when the main
@@ -31,6 +33,9 @@ log = logging.getLogger("dlpipe")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 EXITING = -1.0  # the stop clock's value once this process exits: workers still alive go at once
+# A repeat this soon after the first stop signal is the same request (Slurm repeats SIGTERM within
+# ~10 ms; a person's second Ctrl-C or `kill` takes longer, and SIGINT always insists).
+SAME_STOP_S = 1.0
 
 
 class Terminated(BaseException):
@@ -110,7 +115,10 @@ def stop_gracefully(request: StopRequest, requeue_signal: signal.Signals | None 
     Enter it before the tracking run so it also covers ending the run.
     """
 
+    first_at = 0.0  # when this block's first stop signal came (monotonic seconds)
+
     def handler(signum, frame):
+        nonlocal first_at
         name = signal.Signals(signum).name
         if request.recording:
             if signum == requeue_signal:
@@ -118,12 +126,15 @@ def stop_gracefully(request: StopRequest, requeue_signal: signal.Signals | None 
             log.warning("%s ignored: the stop is being recorded", name)
             return
         if not request.requested:
-            stop_clock().value = time.monotonic()  # workers that got the same signal leave their shutdown to us
+            first_at = stop_clock().value = time.monotonic()  # workers that got it too leave their shutdown to us
             request.signal = name
             log.warning("%s received: stopping at the next optimizer step (send it again to stop at once)", name)
             return
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if first_at and time.monotonic() - first_at < SAME_STOP_S:
+            log.warning("%s again within %.0f s of %s: the same stop request", name, SAME_STOP_S, request.signal)
+            return
         raise Terminated(name)
 
     stop_clock().value = 0.0

@@ -12,7 +12,10 @@ Why each setting (measured on a 2-CPU sandbox, Slurm 22.05):
 - proctrack/linuxproc and task/affinity need no cgroups (a sandboxed kernel may have none);
 - partitions: `debug` (the default) is preempted by `urgent` with a grace period; `nograce` is
   preempted without one (Slurm's SIGTERM, SIGCONT, SIGTERM, then SIGKILL after KillWait);
-- no `preempt_send_user_signal`: preemption sends Slurm's default SIGTERM, as on most clusters.
+- no `preempt_send_user_signal`: preemption sends Slurm's default SIGTERM, as on most clusters;
+- a munged of its own on its own socket (`AuthInfo=socket=`, and `AccountingStoragePass` for the
+  clients' connections to slurmdbd, which do not read AuthInfo): the machine's munged is never
+  touched, and clusters of two pytest-xdist workers (pytest 9 ignores xdist_group) run side by side.
 """
 
 import os
@@ -21,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +60,8 @@ class SlurmCluster:
         self.conf = root / "slurm.conf"
         self.started: list[tuple[str, subprocess.Popen]] = []  # (name, process), in start order
         self.host = socket.gethostname().split(".")[0]
+        self.cpus = os.cpu_count() or 1  # the node's CPUs
+        self.munge_dir: Path | None = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -127,17 +133,19 @@ class SlurmCluster:
         self.wait("the node idle in sinfo", lambda: "idle" in self.run("sinfo", "-h", "-o", "%t", check=False))
 
     def _munge(self) -> None:
-        """munged as the munge user (it refuses root), unless one already answers: then it is shared
-        and left running at the end."""
-        if subprocess.run(["sh", "-c", "munge -n | unmunge"], capture_output=True).returncode == 0:
-            return
+        """A munged of this cluster's own, as the munge user (it refuses root), on a socket of its own:
+        a munged the machine already runs is never touched, and each pytest-xdist worker's cluster
+        has its own. Its folder is outside pytest's tmp, which only root may enter."""
         munge = pwd.getpwnam("munge")
-        run_dir = Path("/run/munge")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        os.chown(run_dir, munge.pw_uid, munge.pw_gid)
-        self._daemon("munged", [program("munged"), "--foreground"], user=munge.pw_uid, group=munge.pw_gid)
-        self.wait("munged answering", lambda: subprocess.run(["sh", "-c", "munge -n | unmunge"],
-                                                             capture_output=True).returncode == 0)
+        self.munge_dir = Path(tempfile.mkdtemp(prefix="dlpipe-munge-"))
+        self.munge_dir.chmod(0o755)
+        os.chown(self.munge_dir, munge.pw_uid, munge.pw_gid)
+        d = self.munge_dir
+        self._daemon("munged", [program("munged"), "--foreground", f"--socket={d}/munge.socket",
+                                f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log",
+                                f"--seed-file={d}/munged.seed"], user=munge.pw_uid, group=munge.pw_gid)
+        check = f"munge -S {d}/munge.socket -n | unmunge -S {d}/munge.socket"
+        self.wait("munged answering", lambda: subprocess.run(["sh", "-c", check], capture_output=True).returncode == 0)
 
     def _mariadb(self, port: int) -> None:
         """A private MariaDB: its own datadir and socket, TCP on 127.0.0.1 only (slurmdbd's way in)."""
@@ -161,10 +169,11 @@ innodb_buffer_pool_size=32M
                         " GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"], check=True, capture_output=True)
 
     def _write_confs(self, ports: dict[str, int]) -> None:
-        r, cpus = self.root, os.cpu_count() or 1
+        r, cpus = self.root, self.cpus
         mem_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 * 8 // 10
         dbd = r / "slurmdbd.conf"
         dbd.write_text(f"""AuthType=auth/munge
+AuthInfo=socket={self.munge_dir}/munge.socket
 DbdHost=localhost
 DbdAddr=127.0.0.1
 DbdPort={ports['dbd']}
@@ -198,11 +207,12 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=5,bf_interval=5
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=10,socket={self.munge_dir}/munge.socket
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort={ports['dbd']}
+AccountingStoragePass={self.munge_dir}/munge.socket
 JobCompType=jobcomp/none
 ReturnToService=2
 JobRequeue=1
@@ -237,6 +247,8 @@ PartitionName=urgent Nodes={self.host} MaxTime=INFINITE State=UP PriorityTier=2 
                 proc.kill()
                 proc.wait()
         self.started.clear()
+        if self.munge_dir is not None:
+            shutil.rmtree(self.munge_dir, ignore_errors=True)  # munged ran as munge: its files are its own
 
 
 @pytest.fixture(scope="session")

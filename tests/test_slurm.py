@@ -78,7 +78,7 @@ def attempts(cluster: SlurmCluster, job: str) -> list[str]:
     before the job's process exits and Slurm records its end."""
 
     def ended():
-        out = cluster.run("sacct", "-n", "-X", "--duplicates", "-j", job, "-o", "State")
+        out = cluster.run("sacct", "-n", "-X", "-P", "--duplicates", "-j", job, "-o", "State")
         states = [line.split()[0] for line in out.splitlines() if line.strip()]
         return states if states and states[-1] not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED") else None
 
@@ -149,3 +149,46 @@ def test_scancel_usr2_checkpoints_requeues_and_resumes_exactly(slurm, tmp_path, 
     assert "handing the job back to submitit to requeue it" in job_logs(tmp_path)
     assert attempts(slurm, job) == ["REQUEUED", "COMPLETED"]
     resumed_exactly(mlflow_client, "slurm-usr2", straight, tmp_path)
+
+
+def preempt(cluster: SlurmCluster) -> None:
+    """Submit a job to `urgent` that needs the whole node: Slurm preempts what runs in the lower partitions."""
+    cluster.run("sbatch", "-p", "urgent", "-c", str(cluster.cpus), "--mem=100M", "-o", "/dev/null", "--wrap", "true")
+
+
+@pytest.mark.parametrize("partition, first_attempt", [("debug", "REQUEUED"), ("nograce", "PREEMPTED")],
+                         ids=["grace-period", "no-grace"])
+def test_preemption_by_slurms_sigterm_checkpoints_requeues_and_resumes_exactly(
+        slurm, tmp_path, mlflow_store, mlflow_client, straight, partition, first_attempt):
+    """Preemption with Slurm's default signal. With the partition's grace period, Slurm sends SIGTERM
+    and requeues the job at the end of the grace period only if it still runs: the job checkpoints and
+    requeues itself at once (REQUEUED; Slurm's own requeue at the end of grace would read PREEMPTED).
+    Without grace, Slurm has already requeued it (PREEMPTED) and sends SIGTERM, SIGCONT, SIGTERM
+    within milliseconds: one stop request, so the mid-epoch checkpoint is still written. Either way
+    the job resumes from that checkpoint, exactly, in its MLflow run."""
+    exp = f"slurm-preempt-{partition}"
+    proc = interrupted(slurm, tmp_path, mlflow_store, exp, f"hydra.launcher.partition={partition}")
+    job = slurm_job(tmp_path, proc)
+    preempt(slurm)
+    code, err = finish(slurm, proc)
+    assert code == 0, err[-3000:]
+    assert attempts(slurm, job) == [first_attempt, "COMPLETED"]
+    logs = job_logs(tmp_path)
+    assert "stopped by SIGTERM in epoch 2" in logs  # the mid-epoch checkpoint, not a stop at once
+    assert ("Slurm is preempting job" in logs) == (partition == "debug")  # requeued itself only within grace
+    resumed_exactly(mlflow_client, exp, straight, tmp_path)
+
+
+def test_a_deliberate_scancel_ends_the_run_killed_and_is_not_requeued(slurm, tmp_path, mlflow_store, mlflow_client):
+    """`scancel` sends the same SIGTERM as a preemption; slurmctld's record tells them apart (the job is
+    COMPLETING, with no PreemptTime): the job checkpoints, its run ends KILLED, nothing is requeued."""
+    proc = interrupted(slurm, tmp_path, mlflow_store, "slurm-scancel")
+    job = slurm_job(tmp_path, proc)
+    slurm.run("scancel", job)
+    code, err = finish(slurm, proc)
+    assert code != 0  # the sweep's job was cancelled
+    assert attempts(slurm, job) == ["CANCELLED"]
+    assert "Slurm is preempting job" not in job_logs(tmp_path)
+    parent, [child] = children_of(runs_of(mlflow_client, "slurm-scancel"))
+    assert child.info.status == "KILLED" and child.data.tags["dlpipe.end_reason"] == "terminated (SIGTERM)"
+    assert (tmp_path / "sweep" / "0" / "checkpoints" / "epoch-0002.pt").is_file()  # resumable by hand
