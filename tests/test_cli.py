@@ -53,7 +53,8 @@ def test_smoke_run_is_recorded_in_mlflow(dlpipe, mlflow_store, mlflow_client):
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
     p = run.data.params
     assert p["loader.num_workers"].isdigit() and p["cpu.budget"].isdigit()
-    assert p["auto.loader.num_workers"].startswith(p["loader.num_workers"] + " (auto: CPU budget")
+    assert p["auto.loader.num_workers"] == p["loader.num_workers"] + " (auto)"  # a word: whole in the UI's tables
+    assert run.data.tags["dlpipe.auto.loader.num_workers"].startswith(p["loader.num_workers"] + " (auto: CPU budget")
     assert p["dataset._target_"] == "dlpipe.data.vision.SyntheticJPEGDataset"
     assert run.data.tags["dlpipe.recipe"] == "smoke"
     # MLflow's run context, as mlflow.start_run records it, and the user's MLFLOW_TAGS (HF's convention)

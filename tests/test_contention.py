@@ -183,7 +183,7 @@ STARVED = {"cpu_util": 40.0, "run_queue_s_per_s": 1.19, "run_queue_workers_s_per
 
 def test_workers_waiting_for_a_cpu_are_not_put_down_to_io_or_locks():
     line = judge(epoch(0.3, **STARVED))
-    assert line.startswith("input-bound: data wait 30% with workers at the 2-CPU budget and the job's CPU at 40% of "
+    assert line.startswith("input-bound: data wait 30.0% with workers at the 2-CPU budget and the job's CPU at 40% of "
                            "it: items wait for a CPU, not for I/O or locks; contended: the job's threads waited for a "
                            "CPU 1.19 s per second (workers 1.10, main process 0.09), 60% of their runnable time, "
                            "on a 2-CPU budget")
@@ -228,7 +228,7 @@ def test_a_wait_that_nothing_outside_explains_is_the_jobs_own():
 
 def test_compute_bound_is_qualified_with_the_cpu_per_sample():
     line = judge(epoch(0.05, **STARVED))
-    assert line.startswith("compute-bound: the loader keeps up (data wait 5%); samples/s understate the job here: it "
+    assert line.startswith("compute-bound: the loader keeps up (data wait 5.0%); samples/s understate the job here: it "
                            "spent 0.8 ms of CPU a sample; contended: the job's threads waited")
     assert "contended" not in judge(epoch(0.05, cpu_util=40.0, cpu_s_per_sample=8e-4))
 

@@ -43,7 +43,7 @@ def test_input_bound_suggests_more_workers_within_budget():
     """A loader-starved epoch of costly items names the data wait, a worker count the CPU budget allows,
     and the gain to expect with what it is estimated from."""
     v = judge(epoch(0.6, cpu_util=40.0), workers=0, budget=4)
-    assert v.kind == "input-bound" and "60%" in v.evidence
+    assert v.kind == "input-bound" and "60.0%" in v.evidence
     assert v.advice == f"try loader.num_workers={recommended_workers(4)}"
     assert v.change == f"loader.num_workers={recommended_workers(4)}" and not v.measured
     assert v.gain == pytest.approx(1 / 0.4) and "expected about 2.50x samples/s" in v.line()

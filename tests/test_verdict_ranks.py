@@ -131,7 +131,7 @@ def test_a_run_unlike_the_tuned_job_is_told_what_tune_found_and_why_it_may_diffe
     assert other.change == "loader.prefetch_factor=4"
     assert ("try loader.prefetch_factor=4 (dlpipe tune measured num_workers=2 prefetch_factor=4 persistent_workers="
             "true at 0.98x the tuned config (today; a gain had to pass 1.10x); this run differs: batch_size 256 "
-            "(tuned at 64), and waits 40% of its epoch for data, so measure it here)") in other.advice
+            "(tuned at 64), and waits 40.0% of its epoch for data, so measure it here)") in other.advice
     same = at_the_budget(Evidence(tuned=Tuned(record, "")))
     assert same.change is None and "0.98x the tuned config" in same.advice
 

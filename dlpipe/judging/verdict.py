@@ -126,7 +126,7 @@ def _judge(job: "Judged", device_type: str) -> Verdict:
             return smaller
         return job.advise("host-to-device-bound", seen, {"pin_memory": True}, "loader.pin_memory=true", free,
                           lambda f: replace(smaller, evidence=f"{seen}; pinning is no answer here ({f.basis})"))
-    keeps_up = f"the loader keeps up (data wait {wait:.0%})"
+    keeps_up = f"the loader keeps up (data wait {wait:.1%})"
     if job.starved is not None and "cpu_s_per_sample" in metrics:  # samples/s fall with contention, this does not
         keeps_up += (f"; samples/s understate the job here: it spent {metrics['cpu_s_per_sample'] * 1e3:.3g} ms "
                      "of CPU a sample")
@@ -158,7 +158,7 @@ class Judged:
                 if not differs:  # the same job: what the search found stands
                     return otherwise(tuned)
                 wait = self.metrics.get("data_wait_frac", 0.0)
-                advice += (f" ({tuned.basis}; this run differs: {differs}, and waits {wait:.0%} of its epoch for "
+                advice += (f" ({tuned.basis}; this run differs: {differs}, and waits {wait:.1%} of its epoch for "
                            "data, so measure it here)")
         if finding.measured and not finding.faster:
             return otherwise(finding)
@@ -173,7 +173,7 @@ def _input_bound(job: Judged) -> Verdict:
     wait, previous, world = metrics.get("data_wait_frac", 0.0), job.evidence.previous, job.evidence.world
     per_item = PerItem.of(metrics, world)
     cost, source = item_cost(per_item, workers, job.evidence)
-    seen = f"data wait {wait:.0%} of the epoch"
+    seen = f"data wait {wait:.1%} of the epoch"
     if cost is not None and not above(previous, "costly_items", cost, policy.CHEAP_ITEM_S, COST_BAND, relative=True):
         rank = f" on each of {world} ranks" if world > 1 else ""
         return _cheap_items(job, f"{seen}; items take {cost * 1e6:.1f} us each to fetch in the main process{rank} "
@@ -182,14 +182,14 @@ def _input_bound(job: Judged) -> Verdict:
     if cpu is not None and workers > 0 and above(previous, "cpu_saturated", cpu, CPU_SATURATED, CPU_BAND):
         return Verdict(
             "cpu-budget-bound",
-            f"data wait {wait:.0%} with {cpu:.0f}% of the {budget}-CPU budget in use ({workers} workers)",
+            f"data wait {wait:.1%} with {cpu:.0f}% of the {budget}-CPU budget in use ({workers} workers)",
             "more workers cannot help: make per-item transforms cheaper or give the job more CPUs",
             wait_bound(wait), FREE_DATA,
         )
     target = more_workers(workers, budget)
     # Starved of CPU, more workers would wait for the same CPUs: advised only where measured faster.
     if job.starved is not None and target > workers and not _measured_faster(job, {"num_workers": target}):
-        return Verdict("input-bound", f"data wait {wait:.0%} while the job's threads waited for a CPU ({workers} "
+        return Verdict("input-bound", f"data wait {wait:.1%} while the job's threads waited for a CPU ({workers} "
                        f"workers on a {budget}-CPU budget, CPU at {cpu or 0:.0f}% of it): items wait for a CPU, "
                        "not for more workers", job.starved.advice(), wait_bound(wait), FREE_DATA)
     if target > workers:
@@ -200,11 +200,11 @@ def _input_bound(job: Judged) -> Verdict:
                           (gain, basis, workers > 0 or cost is not None),
                           lambda f: _no_answer(seen, f"loader.num_workers={target}", f, wait))
     if job.starved is not None:  # not I/O or locks: the workers were runnable, waiting for a CPU
-        return Verdict("input-bound", f"data wait {wait:.0%} with workers at the {budget}-CPU budget and the job's "
+        return Verdict("input-bound", f"data wait {wait:.1%} with workers at the {budget}-CPU budget and the job's "
                        f"CPU at {cpu or 0:.0f}% of it: items wait for a CPU, not for I/O or locks",
                        job.starved.advice(), wait_bound(wait), FREE_DATA)
     prefetch = 2 * policy.prefetch_in_effect(workers, job.loader.prefetch_factor)
-    seen = (f"data wait {wait:.0%} with workers at the {budget}-CPU budget but CPU not saturated: items wait on "
+    seen = (f"data wait {wait:.1%} with workers at the {budget}-CPU budget but CPU not saturated: items wait on "
             "I/O or locks (read faster storage, or keep more batches in flight)")
     return job.advise("input-bound", seen, {"prefetch_factor": prefetch}, f"loader.prefetch_factor={prefetch}",
                       (wait_bound(wait), FREE_DATA),

@@ -50,8 +50,10 @@ OTHER_COLOR = "#8c9fb5"
 UNFINISHED_COLOR = "#d9d9d9"
 
 
-def shown(value: float) -> str:
-    """A bar's value as printed beside it."""
+def shown(value: float, percent: bool = False) -> str:
+    """A bar's value as printed beside it; a percentage as dlpipe prints data wait everywhere (4.0%)."""
+    if percent:
+        return f"{value:.1f}%"
     return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
 
 
@@ -79,8 +81,9 @@ def panel_best(jobs: list[Job], panel: Panel, verdict: SweepVerdict | None = Non
     if not panel.better or not ranked:
         return []
     top = max(ranked, key=lambda j: panel.better * j.metrics[panel.metric])
-    label = shown(top.metrics[panel.metric] * panel.factor)
-    best = [j for j in ranked if shown(j.metrics[panel.metric] * panel.factor) == label]
+    percent = panel.factor == 100.0
+    label = shown(top.metrics[panel.metric] * panel.factor, percent)
+    best = [j for j in ranked if shown(j.metrics[panel.metric] * panel.factor, percent) == label]
     return [] if len(best) == len(ranked) else best
 
 
@@ -156,8 +159,8 @@ def draw_panel(ax, jobs: list[Job], panel: Panel, best: list[Job]) -> None:
     top = max(bar_values) or 1.0
     ax.set_xlim(0, top * 1.3)  # room for the value labels
     for bar, v, x in zip(bars, values, bar_values):
-        ax.text(x + top * 0.02, bar.get_y() + bar.get_height() / 2, "n/a" if v is None else shown(x),
-                va="center", fontsize=8)
+        label = "n/a" if v is None else shown(x, panel.factor == 100.0)
+        ax.text(x + top * 0.02, bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
     ax.set_title(panel.title, fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(axis="x", alpha=0.3)

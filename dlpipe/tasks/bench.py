@@ -11,9 +11,10 @@ from dlpipe.judging.evidence import bench_mode, measurement_file, settings_of
 from dlpipe.loader.measure import describe, measure
 from dlpipe.machine import hardware
 from dlpipe.tasks.measurement import prepare_measurement
-from dlpipe.tasks.params import config_params
+from dlpipe.tasks.params import auto_tags, config_params
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.tracking_run import open_run, run_tags
+from dlpipe.tracking.where_to_look import where_to_look
 
 log = logging.getLogger("dlpipe")
 
@@ -30,7 +31,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     params = config_params(cfg, job.plan, job.decided, "loader", "bench", "dataset")
     params.update(hardware.host_facts(cpu=job.budget))
     params["loader.batch_bytes_est"] = str(job.plan.batch_bytes)
-    with open_run(ctx, cfg.tracking, run_tags(ctx, **{"dlpipe.task": "bench"})) as tracked:
+    with open_run(ctx, cfg.tracking, run_tags(ctx, **auto_tags(job.decided), **{"dlpipe.task": "bench"})) as tracked:
         tracked.log_params(params)
         job.sampler.start()
         try:
@@ -44,4 +45,6 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     measurement_file(cfg, job.budget.budget, bench_mode(cfg)).append(settings_of(loader), metrics["samples_per_s"],
                                                                      "dlpipe bench")
     print(f"bench: {describe(metrics)}", flush=True)
+    if tracked.run_id:
+        print(where_to_look(cfg.tracking.uri, cfg.tracking.experiment), flush=True)
     return metrics["samples_per_s"]

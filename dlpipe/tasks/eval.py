@@ -17,9 +17,10 @@ from dlpipe.loader.fetch import item_collate
 from dlpipe.loader.fitting import build_loaders
 from dlpipe.machine import hardware
 from dlpipe.tasks.build import build_data_and_model, build_objective_and_metrics, validation_view
-from dlpipe.tasks.params import flatten, recorded_config
+from dlpipe.tasks.params import auto_params, auto_tags, flatten, recorded_config
 from dlpipe.tasks.preflight import JobContext, preflight
 from dlpipe.tasks.tracking_run import open_run, run_tags
+from dlpipe.tracking.where_to_look import where_to_look
 from dlpipe.training.evaluate import evaluate
 from dlpipe.training.net import autocast_for
 from dlpipe.training.resume import init_weights
@@ -59,11 +60,14 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
         plan.loader.shutdown()
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
     params = {**flatten(recorded_config(cfg)), **hardware.host_facts(),
-              **{f"auto.{k}": v for k, v in decided.items()}, "eval.samples": str(len(split))}
-    tags = run_tags(ctx, **{"dlpipe.task": "eval", "dlpipe.init_from": str(weights), "dlpipe.eval_split": name})
+              **auto_params(decided), "eval.samples": str(len(split))}
+    tags = run_tags(ctx, **auto_tags(decided), **{"dlpipe.task": "eval", "dlpipe.init_from": str(weights),
+                                                   "dlpipe.eval_split": name})
     with open_run(ctx, cfg.tracking, tags) as tracked:
         tracked.log_params(params)
         tracked.log_metrics(scores, step=0)
     shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
     print(f"eval: {shown} ({len(split)} samples of the {name}, weights {weights})", flush=True)
+    if tracked.run_id:
+        print(where_to_look(cfg.tracking.uri, cfg.tracking.experiment), flush=True)
     return scores.get("val_loss", float("nan"))

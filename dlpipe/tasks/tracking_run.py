@@ -57,14 +57,14 @@ def start_tracking(tracking: TrackingConfig):
 
 
 def open_run(ctx: JobContext, tracking: TrackingConfig, tags: dict[str, str], resume_run_id: str | None = None,
-             sidecar=None) -> Unbroken:
+             sidecar=None, params: dict[str, str] | None = None) -> Unbroken:
     """The job's tracking run (tracking.protocols.JobRun; a NullRun with tracking=none), as a context
     manager that ends it: kept in `sidecar` (start_tracking) when given, else in this process."""
     if not tracking.enabled:
         return NullRun()
     # Named by what distinguishes it (tracking.run_names): in a sweep, its swept values
     swept = swept_keys_of_parent() if ctx.multirun else None
-    name = redact_text(tracking.run_name) if tracking.run_name else job_name(ctx.recipe, ctx.overrides, swept)
+    name = redact_text(tracking.run_name) if tracking.run_name else job_name(ctx.recipe, ctx.overrides, swept, params)
     args = dict(uri=tracking.uri, experiment=tracking.experiment, run_name=name, tags=tags,
                 parent_run_id=os.environ.get(PARENT_RUN_ENV) if ctx.multirun else None,
                 timeout_s=tracking.request_timeout_s, retries=tracking.request_retries,

@@ -27,6 +27,7 @@ from dlpipe.tracking.given_run import given_run_id
 from dlpipe.tracking.metric_names import dlpipe_name
 from dlpipe.tracking.protocols import JobRun
 from dlpipe.tracking.sidecar_run import SidecarRun
+from dlpipe.tracking.where_to_look import where_to_look
 from dlpipe.training import distributed
 from dlpipe.training.requeue import submitit_signal
 
@@ -146,7 +147,7 @@ def train_tracked(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[s
     resume_run_id = job.resume() or given  # a checkpoint's own run first: it holds the epochs resumed
     job.start_worker_helpers()
     with (stop_gracefully(job.trainer.stop, submitit_signal()),
-          open_run(ctx, tracking, job.tags, resume_run_id, sidecar) as run):
+          open_run(ctx, tracking, job.tags, resume_run_id, sidecar, params=job.params) as run):
         job.run_id = run.run_id
         if tracking.system_metrics:
             run.watch_system()
@@ -170,6 +171,7 @@ def train_tracked(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[s
         print(f"bottleneck: {verdict.line()}", flush=True)
         if run.run_id:
             log.info("MLflow run %s (%s) in %s", run.run_id, run.status, redact_text(cfg.tracking.uri))
+            print(where_to_look(cfg.tracking.uri, cfg.tracking.experiment), flush=True)
     return objective.value(history) if objective is not None else None
 
 

@@ -39,7 +39,7 @@ from dlpipe.tasks.build import (
     metric_direction,
     monitor_mode,
 )
-from dlpipe.tasks.params import flatten, job_params, recorded_config
+from dlpipe.tasks.params import auto_params, auto_tags, flatten, job_params, recorded_config
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.resume_point import checkpoint_folder, resume_hint, resume_point, save_stop_checkpoint
 from dlpipe.tasks.tracking_run import run_tags
@@ -290,12 +290,13 @@ def build_job(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[str, 
     config_flat = flatten(shown)
     ck = cfg.checkpoint
     store = CheckpointStore(checkpoint_folder(cfg, ctx), ck.keep_last, ck.monitor, mode)
-    params = {**config_flat, **hardware.host_facts(cpu=budget), **{f"auto.{k}": v for k, v in decided.items()},
+    params = {**config_flat, **hardware.host_facts(cpu=budget), **auto_params(decided),
               **job_params(cfg, ranks, train_plan, model)}
     config_flat = {k: params[k] for k in config_flat}  # as it runs: the loader's effective settings
+    tags = run_tags(ctx, **auto_tags(decided))  # why each hardware-aware value: the params say it in a word
     sizes = {"train": size_of(train_set), **({"validation": size_of(val_set)} if val_set is not None else {})}
     return TrainJob(ctx, cfg, ranks, train_plan, val_plan, trainer, store, sampler, profiler, allocations,
-                    params, run_tags(ctx), resolved_yaml, config_flat, budget.budget, evidence, journal,
+                    params, tags, resolved_yaml, config_flat, budget.budget, evidence, journal,
                     describe_dataset(shown["dataset"], sizes))
 
 

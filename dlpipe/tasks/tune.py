@@ -33,11 +33,12 @@ from dlpipe.machine.disk import write_atomic, write_failure
 from dlpipe.schema import DlpipeConfig
 from dlpipe.stop import Terminated, Unbroken
 from dlpipe.tasks.measurement import prepare_measurement
-from dlpipe.tasks.params import config_params, settings_params
+from dlpipe.tasks.params import auto_tags, config_params, settings_params
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.tracking_run import open_run, run_tags
 from dlpipe.tasks.tune_result import TuneResult, header, trial_table
 from dlpipe.tracking.run import MlflowRun
+from dlpipe.tracking.where_to_look import where_to_look
 
 log = logging.getLogger("dlpipe")
 
@@ -53,7 +54,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     # (a stream's workers start anew each epoch, persistent or not: loader.build; some have no length)
     crosses_epochs = not is_stream(job.train_set) and bench.warmup_batches + bench.batches > len(plan.loader)
     start = start_candidate(plan)
-    tags = run_tags(ctx, **{"dlpipe.task": "tune"})
+    tags = run_tags(ctx, **auto_tags(job.decided), **{"dlpipe.task": "tune"})
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
     with open_run(ctx, cfg.tracking, tags) as parent:
         parent.log_params({**config_params(cfg, plan, job.decided, "loader", "bench"),
@@ -91,6 +92,8 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
           f"the automatic config, {len(result.trials)} trials in {result.seconds:.0f} s"
           + (" (inconclusive: see above)" if said else ""), flush=True)
     print(f"use it: dlpipe --config-dir {bench.output_dir} loader={bench.name} ...", flush=True)
+    if parent.run_id:
+        print(where_to_look(cfg.tracking.uri, cfg.tracking.experiment), flush=True)
     return result.best.samples_per_s
 
 
