@@ -276,13 +276,23 @@ def test_summary_table_shows_every_user_metric_and_one_unit_for_data_wait():
 
 def test_multiprocessing_helpers_are_not_counted_as_workers():
     """The resource tracker (started by spawn/forkserver loaders, alive as long as this process) is
-    a child of ours but no DataLoader worker."""
-    from multiprocessing import resource_tracker
+    a child of ours but no DataLoader worker. In a process of its own: a test worker's process may hold
+    children of other tests (a server, processes still exiting), which are no helpers either."""
+    import subprocess
+    import sys
 
-    resource_tracker.ensure_running()
-    sampler = ResourceSampler(interval_s=5.0, cpu_budget=2).start()
-    try:
-        w = sampler.window()
-    finally:
-        sampler.stop()
-    assert w["workers_alive"] == 0
+    code = """
+from multiprocessing import resource_tracker
+import psutil
+from dlpipe.telemetry.sampler import ResourceSampler
+resource_tracker.ensure_running()
+assert len(psutil.Process().children()) == 1, psutil.Process().children()  # the tracker, and only it
+sampler = ResourceSampler(interval_s=5.0, cpu_budget=2).start()
+try:
+    print(int(sampler.window()["workers_alive"]))
+finally:
+    sampler.stop()
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0"]
