@@ -21,8 +21,9 @@ from slurm_cluster import SlurmCluster
 from test_resume import SIGNALLED, logged
 from test_submitit import children_of
 
-pytestmark = [pytest.mark.integration, pytest.mark.slurm,
-              pytest.mark.xdist_group("slurm")]  # one cluster a session: its tests in one test process
+# xdist_group: the Slurm tests in one test process, one cluster. pytest 9.2 with pytest-xdist 3.8
+# ignores it (pytest-xdist#1386): then each test process that gets one starts a cluster of its own.
+pytestmark = [pytest.mark.integration, pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -36,30 +37,37 @@ WAITING = [a for a in SIGNALLED if "=" in a and not a.startswith("dataset=")] + 
     "dataset=waits_for_a_stop", "trainer.torch_threads=1"]
 
 
-def sweep(cluster: SlurmCluster, tmp_path: Path, *args: str) -> subprocess.Popen:
-    """`dlpipe --multirun` submitting to the test cluster, from tmp_path, into tmp_path/sweep."""
-    env = {k: v for k, v in cluster.env.items()
+@pytest.fixture
+def sweep(slurm, tmp_path):
+    """Start `dlpipe --multirun` submitting to the test cluster, from tmp_path, into tmp_path/sweep.
+    At the end the submitters still running are killed and every job left is cancelled: the next
+    test gets an empty node even when this one failed halfway."""
+    env = {k: v for k, v in slurm.env.items()
            if not k.startswith(("MLFLOW_", "DLPIPE_", "SUBMITIT_", "LOCAL_WORLD"))
            and (not k.startswith("SLURM_") or k == "SLURM_CONF")}
     env.update(NO_PHONE_HOME, PYTHONPATH=str(TESTS_DIR))  # sbatch hands this environment to the jobs
-    return subprocess.Popen(
-        [sys.executable, "-m", "dlpipe", "--config-dir", str(TESTS_DIR / "conf"), "--multirun", *SMALL_JOBS, *args,
-         "hydra.sweep.dir=sweep"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-        start_new_session=True)
+    started: list[subprocess.Popen] = []
 
+    def start(*args: str) -> subprocess.Popen:
+        started.append(subprocess.Popen(
+            [sys.executable, "-m", "dlpipe", "--config-dir", str(TESTS_DIR / "conf"), "--multirun", *SMALL_JOBS,
+             *args, "hydra.sweep.dir=sweep"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.DEVNULL, start_new_session=True))
+        return started[-1]
 
-def finish(cluster: SlurmCluster, proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
-    """The submitter's exit code and stderr; on a timeout or a failed test its jobs are cancelled, so
-    the next test gets an empty node."""
-    try:
-        _, err = proc.communicate(timeout=timeout)
-        return proc.returncode, err
-    finally:
+    yield start
+    for proc in started:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            cluster.run("scancel", "--user", "root", check=False)
+    slurm.run("scancel", "--user", "root", check=False)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    """The submitter's exit code and stderr."""
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
 
 
 def slurm_job(tmp_path: Path, proc: subprocess.Popen, timeout: float = 180) -> str:
@@ -105,9 +113,9 @@ def straight(tmp_path_factory, mlflow_store, mlflow_client):
     return run
 
 
-def interrupted(slurm, tmp_path, mlflow_store, exp: str, *args: str) -> subprocess.Popen:
+def interrupted(sweep, tmp_path, mlflow_store, exp: str, *args: str) -> subprocess.Popen:
     """A one-job sweep of WAITING whose job waits at its 150th item for the test's signal."""
-    return sweep(slurm, tmp_path, *WAITING, "dataset.at=150", f"dataset.marker={tmp_path / 'waiting'}",
+    return sweep(*WAITING, "dataset.at=150", f"dataset.marker={tmp_path / 'waiting'}",
                  f"tracking.uri={mlflow_store}", f"tracking.experiment={exp}", *args)
 
 
@@ -124,10 +132,10 @@ def resumed_exactly(mlflow_client, exp: str, straight, tmp_path: Path):
     return child
 
 
-def test_a_two_job_sweep_runs_as_slurm_jobs_under_one_parent_run(slurm, tmp_path, mlflow_store, mlflow_client):
-    proc = sweep(slurm, tmp_path, "+recipe=tabular", "dataset.size=512", "trainer.epochs=1", "trainer.progress=false",
+def test_a_two_job_sweep_runs_as_slurm_jobs_under_one_parent_run(slurm, sweep, tmp_path, mlflow_store, mlflow_client):
+    proc = sweep("+recipe=tabular", "dataset.size=512", "trainer.epochs=1", "trainer.progress=false",
                  "loader.batch_size=64,128", f"tracking.uri={mlflow_store}", "tracking.experiment=slurm-sweep")
-    code, err = finish(slurm, proc)
+    code, err = finish(proc)
     assert code == 0, err[-3000:]
     parent, children = children_of(runs_of(mlflow_client, "slurm-sweep"))
     assert parent.info.status == "FINISHED" and parent.data.tags["dlpipe.jobs"] == "2"
@@ -137,14 +145,14 @@ def test_a_two_job_sweep_runs_as_slurm_jobs_under_one_parent_run(slurm, tmp_path
     assert attempts(slurm, f"{array}_0") == attempts(slurm, f"{array}_1") == ["COMPLETED"]  # through Slurm, once
 
 
-def test_scancel_usr2_checkpoints_requeues_and_resumes_exactly(slurm, tmp_path, mlflow_store, mlflow_client,
+def test_scancel_usr2_checkpoints_requeues_and_resumes_exactly(slurm, sweep, tmp_path, mlflow_store, mlflow_client,
                                                                 straight):
     """submitit's signal (what Slurm sends before a time limit), sent by hand mid-epoch: the job
     checkpoints, submitit requeues it, and the new start resumes it exactly in the same MLflow run."""
-    proc = interrupted(slurm, tmp_path, mlflow_store, "slurm-usr2")
+    proc = interrupted(sweep, tmp_path, mlflow_store, "slurm-usr2")
     job = slurm_job(tmp_path, proc)
     slurm.run("scancel", "--signal=USR2", job)
-    code, err = finish(slurm, proc)
+    code, err = finish(proc)
     assert code == 0, err[-3000:]
     assert "handing the job back to submitit to requeue it" in job_logs(tmp_path)
     assert attempts(slurm, job) == ["REQUEUED", "COMPLETED"]
@@ -159,7 +167,7 @@ def preempt(cluster: SlurmCluster) -> None:
 @pytest.mark.parametrize("partition, first_attempt", [("debug", "REQUEUED"), ("nograce", "PREEMPTED")],
                          ids=["grace-period", "no-grace"])
 def test_preemption_by_slurms_sigterm_checkpoints_requeues_and_resumes_exactly(
-        slurm, tmp_path, mlflow_store, mlflow_client, straight, partition, first_attempt):
+        slurm, sweep, tmp_path, mlflow_store, mlflow_client, straight, partition, first_attempt):
     """Preemption with Slurm's default signal. With the partition's grace period, Slurm sends SIGTERM
     and requeues the job at the end of the grace period only if it still runs: the job checkpoints and
     requeues itself at once (REQUEUED; Slurm's own requeue at the end of grace would read PREEMPTED).
@@ -167,10 +175,10 @@ def test_preemption_by_slurms_sigterm_checkpoints_requeues_and_resumes_exactly(
     within milliseconds: one stop request, so the mid-epoch checkpoint is still written. Either way
     the job resumes from that checkpoint, exactly, in its MLflow run."""
     exp = f"slurm-preempt-{partition}"
-    proc = interrupted(slurm, tmp_path, mlflow_store, exp, f"hydra.launcher.partition={partition}")
+    proc = interrupted(sweep, tmp_path, mlflow_store, exp, f"hydra.launcher.partition={partition}")
     job = slurm_job(tmp_path, proc)
     preempt(slurm)
-    code, err = finish(slurm, proc)
+    code, err = finish(proc)
     assert code == 0, err[-3000:]
     assert attempts(slurm, job) == [first_attempt, "COMPLETED"]
     logs = job_logs(tmp_path)
@@ -179,13 +187,14 @@ def test_preemption_by_slurms_sigterm_checkpoints_requeues_and_resumes_exactly(
     resumed_exactly(mlflow_client, exp, straight, tmp_path)
 
 
-def test_a_deliberate_scancel_ends_the_run_killed_and_is_not_requeued(slurm, tmp_path, mlflow_store, mlflow_client):
+def test_a_deliberate_scancel_ends_the_run_killed_and_is_not_requeued(slurm, sweep, tmp_path, mlflow_store,
+                                                                       mlflow_client):
     """`scancel` sends the same SIGTERM as a preemption; slurmctld's record tells them apart (the job is
     COMPLETING, with no PreemptTime): the job checkpoints, its run ends KILLED, nothing is requeued."""
-    proc = interrupted(slurm, tmp_path, mlflow_store, "slurm-scancel")
+    proc = interrupted(sweep, tmp_path, mlflow_store, "slurm-scancel")
     job = slurm_job(tmp_path, proc)
     slurm.run("scancel", job)
-    code, err = finish(slurm, proc)
+    code, err = finish(proc)
     assert code != 0  # the sweep's job was cancelled
     assert attempts(slurm, job) == ["CANCELLED"]
     assert "Slurm is preempting job" not in job_logs(tmp_path)
