@@ -143,6 +143,11 @@ def test_a_two_job_sweep_runs_as_slurm_jobs_under_one_parent_run(slurm, sweep, t
     assert all(c.info.status == "FINISHED" for c in children)
     [array] = [p.name for p in (tmp_path / "sweep" / ".submitit").iterdir() if re.fullmatch(r"\d+", p.name)]
     assert attempts(slurm, f"{array}_0") == attempts(slurm, f"{array}_1") == ["COMPLETED"]  # through Slurm, once
+    # each run names its place in Slurm: the array's task, the partition it ran in, its node
+    keys = ("slurm.array_job_id", "slurm.array_task_id", "slurm.partition")
+    tags = sorted(tuple(c.data.tags[k] for k in keys) for c in children)
+    assert tags == [(array, "0", "debug"), (array, "1", "debug")]
+    assert all(c.data.tags["slurm.job_id"] and c.data.tags["slurm.nodelist"] for c in children)
 
 
 def test_scancel_usr2_checkpoints_requeues_and_resumes_exactly(slurm, sweep, tmp_path, mlflow_store, mlflow_client,

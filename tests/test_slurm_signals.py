@@ -72,3 +72,12 @@ def test_no_scontrol_or_no_answer_is_no_record(monkeypatch):
                                             ({"SLURM_PROCID": "0", "RANK": "3"}, False), ({"RANK": "0"}, True)])
 def test_one_rank_speaks_for_the_job(environ, first):
     assert slurm.is_first_rank(environ) is first
+
+
+def test_the_jobs_place_in_slurm_becomes_tags_where_the_environment_gives_it():
+    environ = {"SLURM_JOB_ID": "42", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "2",
+               "SLURM_JOB_PARTITION": "debug", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_PROCID": "0"}
+    assert slurm.job_tags(environ) == {"slurm.job_id": "42", "slurm.array_job_id": "40", "slurm.array_task_id": "2",
+                                       "slurm.partition": "debug", "slurm.nodelist": "node[1-2]"}
+    assert slurm.job_tags({"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": ""}) == {"slurm.job_id": "7"}
+    assert slurm.job_tags({}) == {}  # outside Slurm: no tag at all, not empty ones

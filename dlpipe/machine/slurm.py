@@ -38,6 +38,17 @@ def job_id(environ: Mapping[str, str] = os.environ) -> str | None:
     return environ.get("SLURM_JOB_ID") or None
 
 
+# The job's place in Slurm, as tags on its MLflow runs: which job, array task, partition and nodes
+JOB_TAGS = {"slurm.job_id": "SLURM_JOB_ID", "slurm.array_job_id": "SLURM_ARRAY_JOB_ID",
+            "slurm.array_task_id": "SLURM_ARRAY_TASK_ID", "slurm.partition": "SLURM_JOB_PARTITION",
+            "slurm.nodelist": "SLURM_JOB_NODELIST"}
+
+
+def job_tags(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """JOB_TAGS that this job's environment sets; none outside a Slurm job."""
+    return {tag: environ[name] for tag, name in JOB_TAGS.items() if environ.get(name)}
+
+
 def is_first_rank(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this process is the job's rank 0 (torchrun's RANK, else Slurm's task id): one
     process speaks for the whole job to slurmctld."""

@@ -9,6 +9,7 @@ import socket
 from dlpipe.config.objective import DIRECTION_TAG, OBJECTIVE_TAG, SweepObjective
 from dlpipe.config.tracking_checks import env_tags
 from dlpipe.errors import DlpipeError, first_line
+from dlpipe.machine import slurm
 from dlpipe.redact import redact_overrides, redact_text
 from dlpipe.schema import TrackingConfig
 from dlpipe.stop import Unbroken
@@ -35,6 +36,7 @@ def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
         # a sweep's summary numbers its rows by it (sweeps.jobs.JOB_NUM_TAG), as Hydra numbers the jobs
         **({"dlpipe.job_num": str(ctx.job_num)} if ctx.job_num is not None else {}),
         **context_tags(),  # MLflow's own run context: who ran what, from where
+        **slurm.job_tags(),  # under Slurm: the job id, array task, partition, nodes (sacct and squeue find it)
         **extra,
     }
 
