@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 from conftest import runs_of
 from test_tracking_outage import wait_for
@@ -199,6 +200,8 @@ def test_the_sampler_leaves_it_out_of_the_workers(mlflow_store, tmp_path):
     """The tracking process is a child of the training process, but neither its CPU nor its memory
     is the loader's: no worker counted while it is the only child."""
     assert TRACKING_MARK == MODULE
+    # under xdist a session fixture of another test (the Slurm cluster's daemons) may have children here too
+    others = len(psutil.Process().children(recursive=True))
     with opened(mlflow_store, "side-sampler", tmp_path):
         sampler = ResourceSampler(interval_s=0.05, cpu_budget=2).start()
         try:
@@ -206,4 +209,5 @@ def test_the_sampler_leaves_it_out_of_the_workers(mlflow_store, tmp_path):
             window = sampler.window()
         finally:
             sampler.stop()
-    assert window["workers_alive"] == 0 and window["workers_rss_mb"] == 0
+    assert window["workers_alive"] == others
+    assert others or window["workers_rss_mb"] == 0

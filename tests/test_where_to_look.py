@@ -33,8 +33,11 @@ def made_experiment(uri: str, name: str) -> str:
 
 def test_a_local_store_is_named_by_its_absolute_path_with_the_url_of_its_run_list(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # sqlite:///mlflow.db is relative to the folder dlpipe ran in
-    other = made_experiment("sqlite:///mlflow.db", "other")
-    wanted = made_experiment("sqlite:///mlflow.db", "mine")
+    # made through the absolute path: MLflow caches a store by its URI, and a relative one made in another
+    # test's folder would still point there
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    other = made_experiment(store, "other")
+    wanted = made_experiment(store, "mine")
     command, url = local_line(where_to_look("sqlite:///mlflow.db", "mine"))
     assert shlex.split(command) == ["mlflow", "ui", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
     match = RUN_LIST.fullmatch(url)
@@ -104,8 +107,9 @@ def test_the_printed_mlflow_ui_command_opens_the_store_from_another_folder(tmp_p
     (tmp_path / "run").mkdir()
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "run")
-    made_experiment("sqlite:///mlflow.db", "first")
-    wanted = made_experiment("sqlite:///mlflow.db", "dlpipe")
+    store = f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}"  # absolute: MLflow caches a store by its URI
+    made_experiment(store, "first")
+    wanted = made_experiment(store, "dlpipe")
     command, url = local_line(where_to_look("sqlite:///mlflow.db", "dlpipe"))
     argv = shlex.split(command)
     argv[0] = os.path.join(os.path.dirname(sys.executable), "mlflow")
