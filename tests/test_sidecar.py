@@ -9,7 +9,6 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 from conftest import runs_of
 from test_tracking_outage import wait_for
@@ -201,7 +200,11 @@ def test_the_sampler_leaves_it_out_of_the_workers(mlflow_store, tmp_path):
     is the loader's: no worker counted while it is the only child."""
     assert TRACKING_MARK == MODULE
     # under xdist a session fixture of another test (the Slurm cluster's daemons) may have children here too
-    others = len(psutil.Process().children(recursive=True))
+    before = ResourceSampler(interval_s=60.0, cpu_budget=2).start()
+    try:
+        others = int(before.window()["workers_alive"])
+    finally:
+        before.stop()
     with opened(mlflow_store, "side-sampler", tmp_path):
         sampler = ResourceSampler(interval_s=0.05, cpu_budget=2).start()
         try:

@@ -157,11 +157,14 @@ def test_short_lived_workers_cpu_is_counted_in_every_epoch():
 
 
 def fixtures_children() -> int:
-    """Processes this test process already has: under xdist a session fixture of another test (the Slurm
-    cluster's daemons) may have started them, and the sampler counts every child as a worker."""
-    import psutil
-
-    return len(psutil.Process().children(recursive=True))
+    """Children the sampler counts as workers before the test starts any: under xdist a session fixture
+    of another test (the Slurm cluster's daemons) may have started some. Counted by a sampler, so the
+    ones it leaves out (multiprocessing's resource tracker) are left out here too."""
+    sampler = ResourceSampler(interval_s=60.0, cpu_budget=2).start()
+    try:
+        return int(sampler.window()["workers_alive"])
+    finally:
+        sampler.stop()
 
 
 def test_workers_that_exit_between_two_samples_still_count():
