@@ -15,7 +15,7 @@ from dlpipe.tracking.metric_names import dlpipe_names
 from dlpipe.tracking.run_names import override_key
 
 REQUESTED_PREFIX = "requested."  # + config key: the value asked for, where the run used another
-JOB_NUM_TAG = "dlpipe.job_num"  # a child's Hydra job number (hydra.job.num), set by sweeps.callback at the job's end
+JOB_NUM_TAG = "dlpipe.job_num"  # a child's Hydra job number: tagged by the job (tasks.tracking_run) and the callback
 
 
 @dataclass

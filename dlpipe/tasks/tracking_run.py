@@ -13,6 +13,7 @@ from dlpipe.machine import slurm
 from dlpipe.redact import redact_overrides, redact_text
 from dlpipe.schema import TrackingConfig
 from dlpipe.stop import Unbroken
+from dlpipe.sweeps.jobs import JOB_NUM_TAG
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tracking.context_tags import context_tags
 from dlpipe.tracking.metric_names import mlflow_name
@@ -34,7 +35,7 @@ def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
         "dlpipe.host": socket.gethostname(),
         "dlpipe.output_dir": str(ctx.output_dir),
         # a sweep's summary numbers its rows by it (sweeps.jobs.JOB_NUM_TAG), as Hydra numbers the jobs
-        **({"dlpipe.job_num": str(ctx.job_num)} if ctx.job_num is not None else {}),
+        **({JOB_NUM_TAG: str(ctx.job_num)} if ctx.job_num is not None else {}),
         **context_tags(),  # MLflow's own run context: who ran what, from where
         **slurm.job_tags(),  # under Slurm: the job id, array task, partition, nodes (sacct and squeue find it)
         **extra,
