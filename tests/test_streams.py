@@ -6,11 +6,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from fake_clock import FakeClock, install
 from stream_data import Noise, Rows, SharedOut
 from torch.utils.data import DataLoader
 
 from dlpipe.data.tabular import TabularDataset
 from dlpipe.errors import ConfigError
+from dlpipe.loader import stream_fit
 from dlpipe.loader.build import build_loader
 from dlpipe.loader.faults import NamedErrors
 from dlpipe.loader.stream_fit import fit_stream
@@ -119,15 +121,41 @@ def test_a_streams_automatic_values_say_why_and_its_share_is_measured():
     assert loader.stream_share == "source" and "get_worker_info" in reasons["loader.stream_share"]
 
 
-def test_cheap_stream_items_take_no_workers_and_a_set_share_stands():
+def test_cheap_stream_items_take_no_workers_and_a_set_share_stands(monkeypatch):
+    # The measured item time is fixed here: on a loaded CI machine even rows made in microseconds were
+    # once timed slow enough for workers (the measurement has its own fake-clock test below).
+    monkeypatch.setattr(stream_fit, "stream_item_seconds", lambda *args, **kwargs: 2e-6)
     asked = LoaderConfig(batch_size=8, num_workers=2, prefetch_factor=2, stream_share="dlpipe")
-    loader, reasons = fit_stream(RAW_AUTO, asked, Rows(), world=1, epochs=2)  # rows made in microseconds
+    loader, reasons = fit_stream(RAW_AUTO, asked, Rows(), world=1, epochs=2)
     assert (loader.num_workers, loader.prefetch_factor, loader.stream_share) == (0, None, "dlpipe")
     assert reasons["loader.persistent_workers"] == ("False (auto: no workers to keep (0 workers, 2 epochs, unknown "
                                                     "batches an epoch))")
     assert reasons["loader.num_workers"].startswith("0 (auto: items take ")
     assert reasons["loader.num_workers"].endswith("; the stream's first items)")
     assert "loader.stream_share" not in reasons
+
+
+class Ticking(Rows):
+    """Rows whose every item takes 1 ms of a fake clock, and whose opening (the first item's wait)
+    takes a whole second, which the measurement must leave out."""
+
+    def __init__(self, clock: FakeClock, **kwargs):
+        super().__init__(**kwargs)
+        self.clock = clock
+
+    def __iter__(self):
+        self.clock.advance(1.0)
+        for row in super().__iter__():
+            self.clock.advance(0.001)
+            yield row
+
+
+def test_a_streams_item_time_leaves_out_its_opening_and_counts_every_timed_item(monkeypatch):
+    clock = install(monkeypatch)
+    seconds = stream_fit.stream_item_seconds(Ticking(clock), batch_size=8, enough_s=10.0)
+    assert seconds == pytest.approx(0.001)  # 16 items after the untimed first batch, collate free here
+    assert stream_fit.stream_item_seconds(Ticking(clock, size=8), batch_size=8) is None  # nothing left to time
+    assert stream_fit.stream_item_seconds(Ticking(clock, size=0), batch_size=8) is None
 
 
 def test_a_stream_whose_share_cannot_be_measured_or_that_shares_itself_out_on_several_ranks_is_one_line():
