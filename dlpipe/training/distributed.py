@@ -1,142 +1,35 @@
 """Data-parallel training across processes: which rank this is, the process group, and the few
 collectives the runner needs (gradients themselves are averaged by DistributedDataParallel).
 
-Ranks come from the environment that the launcher sets: torchrun's RANK / WORLD_SIZE /
-LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, or, for a submitit job with one task
-per GPU (Slurm), from submitit's job environment, exported into the same variables before the
-config is resolved (so `${auto_workers:}` divides the node's CPUs among its ranks).
+Which rank this is, and from which launcher, is `dlpipe.training.ranks` (its names are imported
+here too, where the CLI and the tasks have always found them).
 """
 
 import gc
 import logging
 import math
 import os
-import re
-import sys
 import traceback
-from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 
-from dlpipe.errors import ConfigError, DlpipeError
+from dlpipe.training.ranks import SINGLE as SINGLE
+from dlpipe.training.ranks import Ranks as Ranks
+from dlpipe.training.ranks import check_ranks as check_ranks
+from dlpipe.training.ranks import devices_requested as devices_requested
+from dlpipe.training.ranks import export_submitit_env as export_submitit_env
+from dlpipe.training.ranks import ranks_from_env as ranks_from_env
+from dlpipe.training.ranks import ranks_source
+from dlpipe.training.ranks import sweep_across_ranks as sweep_across_ranks
+from dlpipe.training.ranks import torchrun_command as torchrun_command
 
-# Imported inside functions: torch (seconds) and submitit (optional: the slurm extra), only in a job that
-# trains or runs under submitit: the CLI imports this module to export the ranks before it resolves the
-# config, and `dlpipe --help` must not load torch.
+# Imported inside functions: torch (seconds), only in a job that trains: the CLI imports this module
+# to export the ranks before it resolves the config, and `dlpipe --help` must not load torch.
 
 log = logging.getLogger("dlpipe")
 
 # How long a collective may wait for a peer before failing. torchrun ends every rank when one
 # fails, but under srun a dead task leaves the others waiting: this bounds that wait.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """Where this process sits among the job's processes."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    local_world: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0 tracks, checkpoints and prints; the others only train."""
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-
-SINGLE = Ranks()
-
-
-def _int(environ: Mapping[str, str], key: str, default: int) -> int:
-    value = environ.get(key, "")
-    return int(value) if value.isdigit() else default
-
-
-def ranks_from_env(environ: Mapping[str, str] | None = None) -> Ranks:
-    """The ranks torchrun (or export_submitit_env) put in the environment; one process otherwise."""
-    env = os.environ if environ is None else environ
-    world = _int(env, "WORLD_SIZE", 1)
-    if world <= 1:
-        return SINGLE
-    return Ranks(rank=_int(env, "RANK", 0), world=world, local_rank=_int(env, "LOCAL_RANK", 0),
-                 local_world=_int(env, "LOCAL_WORLD_SIZE", world))
-
-
-def check_ranks(ranks: Ranks, multirun: bool, device: str, environ: Mapping[str, str], devices: int = 1) -> None:
-    """What data-parallel training cannot do, refused before anything starts."""
-    if not ranks.distributed:
-        if devices > 1:  # the command-line shortcut restarts under torchrun; a config file cannot
-            raise ConfigError([f"trainer.devices={devices}: set in a config file, where it cannot start processes; "
-                               f"pass trainer.devices={devices} on the command line, or launch with "
-                               f"torchrun --nproc_per_node={devices} -m dlpipe ..."])
-        return
-    if devices > 1 and devices != ranks.local_world:
-        raise ConfigError([f"trainer.devices={devices}: this node runs {ranks.local_world} ranks (LOCAL_WORLD_SIZE); "
-                           "leave trainer.devices at 1 under your own torchrun"])
-    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in environ]
-    if missing:
-        raise DlpipeError(f"WORLD_SIZE={ranks.world} without {', '.join(missing)}: start data-parallel training "
-                          f"with torchrun --nproc_per_node={ranks.world} -m dlpipe ..., which sets them all")
-    if multirun and "SUBMITIT_EXECUTOR" not in environ:
-        raise DlpipeError(f"--multirun under torchrun (WORLD_SIZE={ranks.world}): every rank would run the whole "
-                          "sweep; sweep with hydra/launcher=submitit_slurm (tasks_per_node=N) or run torchrun per job")
-    if device.startswith("cuda:"):
-        raise ConfigError([f"trainer.device={device}: with {ranks.world} ranks each one takes cuda:LOCAL_RANK; "
-                           "use trainer.device=cuda"])
-    if device == "mps":
-        raise ConfigError([f"trainer.device=mps: data-parallel training ({ranks.world} ranks) needs cpu (gloo) "
-                           "or cuda (NCCL)"])
-
-
-_DEVICES = re.compile(r"\+{0,2}trainer\.devices=(\d+)")
-# Options after which dlpipe only prints or inspects, so there is nothing to start processes for.
-_NO_TRAINING = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--version", "--shell-completion", "-sc"}
-
-
-def devices_requested(args: list[str]) -> int:
-    """N from a `trainer.devices=N` override on the command line (the last one wins), else 1."""
-    n = 1
-    for arg in args:
-        m = _DEVICES.fullmatch(arg)
-        if m:
-            n = int(m.group(1))
-    return n
-
-
-def torchrun_command(args: list[str], environ: Mapping[str, str]) -> list[str] | None:
-    """The command that runs `dlpipe ARGS` as trainer.devices=N ranks under torchrun on this node,
-    or None when it should run as it is (one device, already a rank, or nothing to train)."""
-    n = devices_requested(args)
-    if n <= 1 or "WORLD_SIZE" in environ or _NO_TRAINING & set(args):
-        return None
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-            "-m", "dlpipe", *args]
-
-
-def export_submitit_env(environ=None) -> bool:
-    """In a submitit job of several tasks (one per GPU, possibly over several nodes), set the
-    torch.distributed variables from submitit's job environment, as torchrun would have.
-
-    Returns whether it did. A no-op outside submitit, for single-task jobs, and when the variables
-    are already there (torchrun started inside a Slurm job).
-    """
-    env = os.environ if environ is None else environ
-    if "SUBMITIT_EXECUTOR" not in env or "WORLD_SIZE" in env:
-        return False
-    from submitit import JobEnvironment
-    from submitit.helpers import TorchDistributedEnvironment
-
-    if JobEnvironment().num_tasks <= 1:
-        return False
-    # Devices stay addressed as cuda:LOCAL_RANK, as under torchrun: NVML's mapping and the logs agree.
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-    return True
 
 
 def device_for(device: str, ranks: Ranks, visible_gpus: int | None = None) -> str:
@@ -159,8 +52,9 @@ def start(ranks: Ranks, device: str) -> None:
 
         torch.cuda.set_device(device)  # NCCL's own buffers go to this rank's GPU, not to cuda:0
     dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
-    log.info("rank %d of %d (local %d of %d), %s on %s", ranks.rank, ranks.world, ranks.local_rank,
-             ranks.local_world, backend, device)
+    log.info("rank %d of %d (local %d of %d), %s on %s; ranks from %s, rendezvous at %s:%s", ranks.rank,
+             ranks.world, ranks.local_rank, ranks.local_world, backend, device, ranks_source(os.environ),
+             os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
 
 
 def barrier() -> None:
