@@ -17,7 +17,7 @@ ARGS = ["--config-dir", str(TESTS_DIR / "conf"), "+recipe=tiny_tabular", "datase
         "optim.lr=0.5"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per test process, for every module that compares with it
 def two_ranks_on_one_node(tmp_path_factory, mlflow_store, mlflow_client):
     """ARGS under torchrun with 2 ranks on this host: its MLflow run."""
     out = tmp_path_factory.mktemp("torchrun")
