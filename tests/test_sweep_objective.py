@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torchmetrics
+from conftest import runs_of
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -218,3 +219,24 @@ def test_the_default_metrics_table_is_what_build_metrics_builds(loss, prediction
     built = build_metrics(SimpleNamespace(metrics=None), objective, prediction)
     expected = DEFAULT_METRICS.get(objective.kind, {})
     assert {name: "max" if m.higher_is_better else "min" for name, m in built.items()} == expected
+
+
+@pytest.mark.integration
+def test_a_sweep_without_an_objective_ranks_by_the_monitored_metric_in_its_decided_direction(
+        dlpipe, mlflow_store, mlflow_client):
+    """The regression recipe monitors val_r2 with checkpoint.mode=auto and sets no sweep.objective: each
+    job tags the monitored metric as its objective with the direction auto decided (max: R2Score is
+    better higher), and the sweep ranks by it, saying where it came from; not by val_loss, which the
+    jobs log too."""
+    r = dlpipe("--multirun", "+recipe=regression", "trainer.epochs=1", "dataset.size=256", "trainer.progress=false",
+               "optim.lr=0.01,0.001", f"tracking.uri={mlflow_store}", "tracking.experiment=monitored", timeout=300)
+    assert r.returncode == 0, r.stderr
+    runs = runs_of(mlflow_client, "monitored")
+    [parent] = [x for x in runs if x.data.tags.get("dlpipe.role") == "sweep"]
+    children = [x for x in runs if x is not parent]
+    assert len(children) == 2
+    for child in children:
+        tags = child.data.tags
+        assert (tags["dlpipe.objective"], tags["dlpipe.objective_direction"]) == ("val/r2", "max")
+        assert child.data.params["checkpoint.mode"] == "auto"  # what the run was given; the tag, what it decided
+    assert parent.data.tags["dlpipe.objective_of_sweep"] == "val_r2 (max, from checkpoint.monitor)"

@@ -27,11 +27,13 @@ def child(i: int, metrics: dict[str, float], tags=None, params=None, status="FIN
 
 def test_the_objective_comes_from_the_tags_then_the_monitor_then_val_loss():
     logged = {"val_loss": 0.1, "val_r2": 0.9}
-    tagged = child(0, logged, {"dlpipe.objective": "val/r2", "dlpipe.objective_direction": "max"})
+    tagged = child(0, logged, {"dlpipe.objective": "val/r2", "dlpipe.objective_direction": "max"},
+                   params={"sweep.objective": "val/r2"})
     assert sweep_objective([child(1, logged), tagged]) == Objective("val_r2", "max", "sweep.objective")
+    # the same tags on a job whose sweep.objective was null: the default, the metric checkpoint.monitor names
+    by_default = child(0, logged, tagged.data.tags, params={"sweep.objective": "None"})
+    assert sweep_objective([by_default]) == Objective("val_r2", "max", "checkpoint.monitor")
     # older runs: the monitored metric where its direction is known
-    assert sweep_objective([child(0, logged, {"dlpipe.monitor": "val_r2", "dlpipe.monitor_direction": "max"})]) == \
-        Objective("val_r2", "max", "checkpoint.monitor")
     by_mode = child(0, logged, params={"checkpoint.monitor": "val_r2", "checkpoint.mode": "max"})
     assert sweep_objective([by_mode]) == Objective("val_r2", "max", "checkpoint.monitor")
     a_loss = child(0, {**logged, "train_loss": 0.2}, params={"checkpoint.monitor": "train_loss"})

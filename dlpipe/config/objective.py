@@ -28,11 +28,6 @@ from dlpipe.schema import DlpipeConfig
 
 log = logging.getLogger("dlpipe")
 
-OBJECTIVE_TAG = "dlpipe.objective"
-"""The tag holding the objective's MLflow name (`val/r2`) on every training run that has one."""
-DIRECTION_TAG = "dlpipe.objective_direction"
-"""The tag holding `min` or `max` beside it: what a sweep's summary ranks its jobs by."""
-
 DEFAULT_METRICS = {"classification": {"accuracy": "max"}, "binary": {"accuracy": "max"},
                    "regression": {"mse": "min", "mae": "min", "r2": "max"}}
 """The validation metrics tasks.build.build_metrics gives each loss kind when `metrics` is null, with

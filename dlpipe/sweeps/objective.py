@@ -2,10 +2,11 @@
 
 The objective comes from the children, first found wins:
 1. the tags `dlpipe.objective` (its MLflow name, e.g. `val/r2`) and `dlpipe.objective_direction`
-   (`min` or `max`), which a job run with `sweep.objective` carries;
-2. the metric the job monitored: its tag `dlpipe.monitor` or, from older runs, its param
-   `checkpoint.monitor`, where its direction is known (the tag `dlpipe.monitor_direction`, the param
-   `checkpoint.mode` when it is min or max, or a name ending in `loss`);
+   (`min` or `max`, as decided: `auto` made one), which every training job with an objective carries:
+   `sweep.objective`, or by default the metric checkpoint.monitor names (its param `sweep.objective`,
+   null, says which);
+2. from runs older than those tags, the param `checkpoint.monitor` where its direction is known (the
+   param `checkpoint.mode` when it is min or max, or a name ending in `loss`);
 3. `val_loss` (min), where the children logged it;
 otherwise there is none, and the sweep names no best job (the fastest is named apart anyway).
 No Hydra or MLflow imports: the inputs are MLflow `Run`-like objects.
@@ -15,11 +16,11 @@ from dataclasses import dataclass
 
 from dlpipe.tracking.metric_names import dlpipe_name
 
+# The tags are read here and written by the job (tasks.tracking_run), which imports these names.
 OBJECTIVE_TAG = "dlpipe.objective"
 DIRECTION_TAG = "dlpipe.objective_direction"
-MONITOR_TAG = "dlpipe.monitor"
-MONITOR_DIRECTION_TAG = "dlpipe.monitor_direction"
-MONITOR_PARAM, MODE_PARAM = "checkpoint.monitor", "checkpoint.mode"
+MONITOR_PARAM, MODE_PARAM, OBJECTIVE_PARAM = "checkpoint.monitor", "checkpoint.mode", "sweep.objective"
+UNSET = ("null", "None", "")  # how MLflow holds a null param
 DIRECTIONS = ("min", "max")
 
 
@@ -39,12 +40,12 @@ class Objective:
 
 def monitored(run) -> str | None:
     """The metric the run's checkpoints monitored (dlpipe's name), or None (`checkpoint.monitor=null`)."""
-    name = run.data.tags.get(MONITOR_TAG) or run.data.params.get(MONITOR_PARAM, "val_loss")
-    return None if name in ("null", "None", "") else dlpipe_name(name)
+    name = run.data.params.get(MONITOR_PARAM, "val_loss")
+    return None if name in UNSET else dlpipe_name(name)
 
 
 def _monitor_direction(run, metric: str) -> str | None:
-    stated = run.data.tags.get(MONITOR_DIRECTION_TAG) or run.data.params.get(MODE_PARAM)
+    stated = run.data.params.get(MODE_PARAM)
     if stated in DIRECTIONS:
         return stated
     return "min" if metric.endswith("loss") else None
@@ -55,7 +56,9 @@ def sweep_objective(children) -> Objective | None:
     for run in children:
         tags = run.data.tags
         if tags.get(OBJECTIVE_TAG) and tags.get(DIRECTION_TAG) in DIRECTIONS:
-            return Objective(dlpipe_name(tags[OBJECTIVE_TAG]), tags[DIRECTION_TAG], "sweep.objective")
+            given = run.data.params.get(OBJECTIVE_PARAM, "null") not in UNSET
+            return Objective(dlpipe_name(tags[OBJECTIVE_TAG]), tags[DIRECTION_TAG],
+                             "sweep.objective" if given else "checkpoint.monitor")
     for run in children:
         metric = monitored(run)
         direction = metric and _monitor_direction(run, metric)

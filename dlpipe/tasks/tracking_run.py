@@ -6,7 +6,7 @@ import logging
 import os
 import socket
 
-from dlpipe.config.objective import DIRECTION_TAG, OBJECTIVE_TAG, SweepObjective
+from dlpipe.config.objective import SweepObjective
 from dlpipe.config.tracking_checks import env_tags
 from dlpipe.errors import DlpipeError, first_line
 from dlpipe.machine import slurm
@@ -14,6 +14,7 @@ from dlpipe.redact import redact_overrides, redact_text
 from dlpipe.schema import TrackingConfig
 from dlpipe.stop import Unbroken
 from dlpipe.sweeps.jobs import JOB_NUM_TAG
+from dlpipe.sweeps.objective import DIRECTION_TAG, OBJECTIVE_TAG
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tracking.context_tags import context_tags
 from dlpipe.tracking.metric_names import mlflow_name
