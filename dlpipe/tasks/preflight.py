@@ -78,8 +78,9 @@ def check_single_process(environ, task: str) -> None:
     copies of it competing for the same CPUs and write the same files."""
     ranks = ranks_from_env(environ)
     if ranks.distributed:
-        raise DlpipeError(f"WORLD_SIZE={ranks.world}: dlpipe {task} measures one process; run it without torchrun "
-                          "(auto_workers already divides the CPUs by LOCAL_WORLD_SIZE when you set it)")
+        raise DlpipeError(f"WORLD_SIZE={ranks.world}: dlpipe {task} measures one process; run it as one process, "
+                          "not under torchrun or in a several-task srun step (auto_workers already divides the "
+                          "CPUs by LOCAL_WORLD_SIZE when you set it)")
 
 
 def check_tracking_reachable(tracking: TrackingConfig) -> None:
