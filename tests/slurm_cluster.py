@@ -160,13 +160,22 @@ log-error={self.root}/log/mariadb.log
 user=root
 innodb_buffer_pool_size=32M
 """)
-        subprocess.run([program("mariadb-install-db"), "--no-defaults", "--user=root", f"--datadir={db}/data",
-                        "--auth-root-authentication-method=normal"], check=True, capture_output=True)
+        self._setup_step(program("mariadb-install-db"), "--no-defaults", "--user=root", f"--datadir={db}/data",
+                         "--auth-root-authentication-method=normal")
         self._daemon("mariadbd", [program("mariadbd"), f"--defaults-file={db}/my.cnf"])
         self.wait("MariaDB listening", lambda: (db / "mysqld.sock").exists())
-        subprocess.run([program("mariadb"), f"--socket={db}/mysqld.sock", "-uroot", "-e",
-                        "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';"
-                        " GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"], check=True, capture_output=True)
+        self._setup_step(program("mariadb"), f"--socket={db}/mysqld.sock", "-uroot", "-e",
+                         "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';"
+                         " GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';")
+
+    def _setup_step(self, *cmd: str) -> None:
+        """A command that prepares the cluster; when it fails, the error says why (its output and the
+        daemons' logs): a bare CalledProcessError hid why mariadb-install-db failed once on a loaded
+        machine."""
+        r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:2])} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}\n"
+                               f"{self.logs()}")
 
     def _write_confs(self, ports: dict[str, int]) -> None:
         r, cpus = self.root, self.cpus
