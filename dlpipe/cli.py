@@ -30,6 +30,7 @@ from dlpipe.machine import budget_share
 from dlpipe.redact import redact_printed_config
 from dlpipe.schema import CHOICES
 from dlpipe.stop import Terminated, restore_handlers, stop_at_once
+from dlpipe.sweeps.outcome import SweepEnded
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.writable import check_writable, hydra_output_error
 from dlpipe.tracking.given_run import refuse_outside_training
@@ -269,6 +270,9 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         app()
+    except SweepEnded as e:  # the launcher ended the sweep (its jobs cancelled, sbatch's refusal...): its line
+        print(f"dlpipe: error: {e.line}", file=sys.stderr)
+        sys.exit(e.exit_code)
     except JobFailed as e:  # a sweep job's error, already printed when the job ended
         print(f"dlpipe: error: a sweep job failed ({e}); the other jobs ran", file=sys.stderr)
         sys.exit(1)

@@ -31,13 +31,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from dlpipe.machine.disk import unwritable
 from dlpipe.redact import redact_overrides, without_password
-from dlpipe.stop import STOP_SIGNALS, hold_or_raise
+from dlpipe.stop import STOP_SIGNALS, hold_or_raise, stop_error
+from dlpipe.sweeps.jobs import JOB_NUM_TAG
+from dlpipe.sweeps.slurm_check import refuse_what_cannot_start
 from dlpipe.sweeps.summary import summarise, tag_value
 from dlpipe.sweeps.verdict import VERDICT_TAGS
 from dlpipe.tracking.abandoned import END_REASON_TAG, FOLDER_TAGS, Owner, close_previous, read_marker, write_marker
 from dlpipe.tracking.client import client_for, experiment_id
 from dlpipe.tracking.context_tags import context_tags
-from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG
+from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG, end_status
 from dlpipe.tracking.run_names import SWEPT_KEYS_ENV, override_key, sweep_name
 from dlpipe.tracking.store_lock import absolute_uri
 
@@ -69,6 +71,7 @@ class SweepTracking(Callback):
         self.client = None
         self.parent_id: str | None = None
         self.interrupted: str | None = None
+        self.ended: tuple[str, str] | None = None  # (status, reason) the launcher gave (ended_by)
         self.every_job_runs = True  # whether Hydra runs every job even when one fails (_every_job_runs)
         self._previous_handlers: dict = {}
 
@@ -78,6 +81,7 @@ class SweepTracking(Callback):
         return {**self.__dict__, "client": None, "_previous_handlers": {}}
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        refuse_what_cannot_start(config)  # before the parent run: a job that could never start ends it here
         tracking = OmegaConf.to_container(config.tracking, resolve=True)
         if not tracking["enabled"]:
             return
@@ -142,6 +146,11 @@ class SweepTracking(Callback):
         self.client.update_run(parent, status="RUNNING")
         return parent
 
+    def ended_by(self, status: str, reason: str) -> None:
+        """The launcher ended the sweep (hydra_plugins/dlpipe_submitit_launcher.py): the parent ends `status`
+        with `reason`, which says what happened (a job cancelled, sbatch's refusal) better than the children can."""
+        self.ended = (status, reason)
+
     def _on_signal(self, signum, frame) -> None:
         self.interrupted = signal.Signals(signum).name
         hold_or_raise(self.interrupted)  # not inside a job's tracking call: it would leave that run RUNNING
@@ -188,10 +197,16 @@ class SweepTracking(Callback):
         tags = {"dlpipe.jobs": str(len(children)), "dlpipe.failed_jobs": str(len(failed))}
         if failed:
             tags["dlpipe.failed_overrides"] = " | ".join(sorted(failed))
-        killed_children = (r.data.tags.get(END_REASON_TAG) for r in children if r.info.status == "KILLED")
-        killed = self.interrupted or next(killed_children, None)
-        if killed:
-            status, tags[END_REASON_TAG] = "KILLED", f"interrupted: {killed}"
+        killed_child = next((r for r in children if r.info.status == "KILLED"), None)
+        if self.ended:
+            status, tags[END_REASON_TAG] = self.ended
+        elif self.interrupted:  # this process got the signal: its reason as a run's (terminated (SIGTERM))
+            stop = stop_error(self.interrupted)
+            status, tags[END_REASON_TAG] = end_status(type(stop), stop)
+        elif killed_child:  # only a job was stopped, not this process: say whose stop it was
+            num = killed_child.data.tags.get(JOB_NUM_TAG, "?")
+            status = "KILLED"
+            tags[END_REASON_TAG] = f"job #{num} was stopped: {killed_child.data.tags.get(END_REASON_TAG, 'KILLED')}"
         elif failed or not ended_cleanly:
             status = "FAILED"
             tags[END_REASON_TAG] = self._failed_reason(len(failed), len(children) + len(without_run))

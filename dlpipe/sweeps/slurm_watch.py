@@ -1,0 +1,109 @@
+"""Watching a sweep's Slurm jobs until each has a result or has ended without one.
+
+submitit's `Job.results()` waits until the job's result file appears or `sacct` says it ended; where
+Slurm's accounting does not answer it keeps the job UNKNOWN and waits for ever. Here slurmctld is
+asked too (machine.slurm_queue): a job that slurmctld lists as ended, or no longer lists at all, and
+that still has no result after RESULT_GRACE_S (its result is written before its process exits; the
+grace covers a slow shared filesystem and a PREEMPTED or TIMEOUT job going back to PENDING) has ended
+without one, and says how in one line.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dlpipe.machine.slurm_queue import ENDED, accounting_state, queue_states
+
+RESULT_GRACE_S = 15.0
+QUEUE_EVERY_S = 5.0  # squeue costs slurmctld one RPC for the whole sweep
+CANCELLED = "cancelled: scancel"  # Slurm's own ends (time limit, preemption) have states of their own
+
+
+@dataclass
+class Watched:
+    """One submitted job: its Hydra job number, Slurm id, log, and what slurmctld last said of it."""
+
+    num: int
+    job_id: str
+    log: Path
+    has_result: Callable[[], bool]
+    state: str | None = None  # slurmctld's last word (None: not listed, or not asked yet)
+    gone_since: float | None = None  # when it was first seen ended or unlisted without a result
+    lost: str | None = None  # how it ended without a result, once decided
+
+    def named(self) -> str:
+        return f"#{self.num} (Slurm {self.job_id})"
+
+
+def update(job: Watched, states: dict[str, str], now: float) -> None:
+    """Take slurmctld's answer (states of the jobs it still knows) into `job`; mark it lost once it has
+    been ended or unlisted for RESULT_GRACE_S with no result."""
+    job.state = states.get(job.job_id)
+    if job.has_result() or (job.state is not None and job.state not in ENDED):
+        job.gone_since = None
+        return
+    if job.gone_since is None:
+        job.gone_since = now
+    elif now - job.gone_since >= RESULT_GRACE_S:
+        job.lost = job.state or "left the queue"
+
+
+def how_it_ended(job: Watched, accounting=accounting_state) -> tuple[str, str | None]:
+    """(what ended `job`, for one line; why Slurm's accounting could not tell, or None)."""
+    state, why = accounting(job.job_id)
+    state = job.state or state
+    if state == "CANCELLED":
+        return CANCELLED, why
+    if state is None:
+        return "left the queue without a result; how it ended is unknown", why
+    return f"ended {state} without a result", why
+
+
+def lost_line(jobs: list[Watched], accounting=accounting_state) -> tuple[str, str]:
+    """(the sweep's parent run's status, one line) for the jobs that ended without a result: which,
+    how, where their logs are, and that submitit needs Slurm's accounting where it did not answer.
+    KILLED when every one was cancelled, else FAILED."""
+    told = [(job, *how_it_ended(job, accounting)) for job in jobs]
+    status = "KILLED" if all(how == CANCELLED for _, how, _ in told) else "FAILED"
+    first, how, _ = told[0]
+    same = [job for job, h, _ in told if h == how]
+    if len(same) > 1:
+        nums = ", ".join(f"#{j.num}" for j in same)
+        ids = ", ".join(j.job_id for j in same)
+        line = f"jobs {nums} (Slurm {ids}) {how}; their logs: {first.log.parent.parent}/*/"
+    else:
+        line = f"job {first.named()} {how}; its log: {first.log}"
+    others = len(told) - len(same)
+    if others:
+        line += f"; {others} more job{'s' if others > 1 else ''} ended without a result"
+    why = next((w for _, _, w in told if w), None)
+    if why:
+        line += f"; Slurm accounting did not answer ({why}): submitit needs it (slurmdbd) to see how jobs end"
+    return status, line
+
+
+def watch(jobs: list[Watched], queue=queue_states, accounting=accounting_state, clock=time.monotonic,
+          sleep=time.sleep, warn=lambda why: None) -> list[Watched]:
+    """Wait until every job has a result or is lost; the lost ones. `warn(why)` is told once when
+    slurmctld does not answer: the jobs are then judged by their result files and Slurm's accounting."""
+    warned = False
+    last_asked = float("-inf")
+    while True:
+        open_jobs = [j for j in jobs if not j.has_result() and j.lost is None]
+        if not open_jobs:
+            return [j for j in jobs if j.lost is not None]
+        now = clock()
+        if now - last_asked >= QUEUE_EVERY_S:
+            last_asked = now
+            states = queue([j.job_id for j in open_jobs])
+            if isinstance(states, str):  # slurmctld does not answer: accounting's word, where it answers
+                if not warned:
+                    warn(states)
+                    warned = True
+                told = {j.job_id: accounting(j.job_id)[0] for j in open_jobs}
+                states = {job: state for job, state in told.items() if state is not None}
+                open_jobs = [j for j in open_jobs if j.job_id in states]
+            for job in open_jobs:
+                update(job, states, now)
+        sleep(1.0)

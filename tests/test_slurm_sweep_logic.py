@@ -1,0 +1,220 @@
+"""The deciding parts of dlpipe's Slurm sweeps on controlled slurmctld text, without a cluster: what a
+partition allows (scontrol's records as Slurm 22.05 prints them), which requests it refuses and how the
+line reads, how squeue's and sacct's answers are read, and when a watched job counts as ended without
+a result. tests/test_slurm_sweeps.py runs the same through the CLI on a real cluster."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dlpipe.machine.slurm_partition import minutes, parse
+from dlpipe.machine.slurm_queue import accounting_state, parse_squeue, queue_states
+from dlpipe.sweeps.slurm_check import problems, remove_if_only_locked
+from dlpipe.sweeps.slurm_watch import RESULT_GRACE_S, Watched, lost_line, update, watch
+
+# as `scontrol show partition -o` and `scontrol show node -o` printed them on the test cluster (trimmed)
+PARTITIONS = """\
+PartitionName=debug AllowGroups=ALL Default=YES GraceTime=20 MaxNodes=UNLIMITED MaxTime=UNLIMITED MinNodes=0 \
+MaxCPUsPerNode=UNLIMITED Nodes=vm State=UP TotalCPUs=2 TotalNodes=1 DefMemPerNode=UNLIMITED MaxMemPerNode=UNLIMITED
+PartitionName=small AllowGroups=ALL Default=NO MaxNodes=1 MaxTime=00:05:00 MinNodes=1 MaxCPUsPerNode=1 Nodes=vm \
+State=UP TotalCPUs=2 TotalNodes=1 DefMemPerNode=UNLIMITED MaxMemPerNode=1024
+PartitionName=wide Default=NO MaxNodes=UNLIMITED MaxTime=1-12:00:00 MaxCPUsPerNode=UNLIMITED Nodes=n[01-02] \
+TotalNodes=2 MaxMemPerNode=UNLIMITED
+"""
+NODES = """\
+NodeName=vm Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUEfctv=2 CPUTot=2 CPULoad=2.48 RealMemory=19284 AllocMem=0 \
+State=IDLE Partitions=debug,small
+NodeName=n01 CPUTot=64 RealMemory=256000 State=IDLE Partitions=wide
+NodeName=n02 CPUTot=32 RealMemory=512000 State=IDLE Partitions=wide
+"""
+FITS = {"partition": None, "cpus_per_task": 1, "tasks_per_node": 1, "mem_gb": 1, "timeout_min": 5, "nodes": 1}
+
+
+@pytest.fixture
+def partitions():
+    return parse(PARTITIONS, NODES)
+
+
+@pytest.mark.parametrize("text, expected", [("UNLIMITED", None), ("INFINITE", None), ("30", 30), ("05:30", 5.5),
+                                            ("00:05:00", 5), ("1-12:00:00", 2160), ("2-06", 3240),
+                                            ("1-00:30", 1470)])
+def test_slurm_time_limits_read_as_minutes(text, expected):
+    assert minutes(text) == expected
+
+
+def test_partitions_read_with_their_nodes_and_limits(partitions):
+    debug, small, wide = partitions["debug"], partitions["small"], partitions["wide"]
+    assert debug.default and not small.default
+    assert (debug.largest_cpus(), debug.largest_mem_mb(), debug.max_time_min, debug.max_nodes) == (2, 19284, None, None)
+    assert (small.largest_cpus(), small.largest_mem_mb(), small.max_time_min, small.max_nodes) == (1, 1024, 5, 1)
+    assert (wide.largest_cpus(), wide.largest_mem_mb(), wide.total_nodes) == (64, 512000, 2)  # the largest node's
+
+
+def test_a_request_the_partition_can_give_passes(partitions):
+    assert problems(FITS, partitions) == []
+    assert problems({**FITS, "partition": "wide", "cpus_per_task": 16, "tasks_per_node": 4, "mem_gb": 400,
+                     "timeout_min": 2160, "nodes": 2}, partitions) == []
+
+
+def test_the_presets_defaults_on_a_small_node_name_each_key_its_value_and_what_is_allowed(partitions):
+    assert problems({**FITS, "cpus_per_task": 8, "mem_gb": 32}, partitions) == [
+        "hydra.launcher.cpus_per_task=8: a node of partition debug (the default) gives a job at most 2 CPUs "
+        "(asked 8); set it to at most 2",
+        "hydra.launcher.mem_gb=32: a node of partition debug (the default) gives a job at most 19284 MB (18.8 GB); "
+        "set it to at most 18"]
+
+
+def test_cpus_count_every_task_on_the_node(partitions):
+    [line] = problems({**FITS, "partition": "wide", "cpus_per_task": 10, "tasks_per_node": 8}, partitions)
+    assert line == ("hydra.launcher.cpus_per_task=10: a node of partition wide gives a job at most 64 CPUs "
+                    "(asked 10 x tasks_per_node=8 = 80); set it to at most 8")
+
+
+def test_the_partitions_own_limits_count_over_its_nodes(partitions):
+    found = problems({**FITS, "partition": "small", "cpus_per_task": 2, "mem_gb": 2, "timeout_min": 10, "nodes": 2},
+                     partitions)
+    assert found == [
+        "hydra.launcher.cpus_per_task=2: a node of partition small gives a job at most 1 CPU (asked 2); "
+        "set it to at most 1",
+        "hydra.launcher.mem_gb=2: a node of partition small gives a job at most 1024 MB (1.0 GB); set it to at most 1",
+        "hydra.launcher.timeout_min=10: partition small allows at most 5 minutes (MaxTime); set it to at most 5",
+        "hydra.launcher.nodes=2: partition small gives a job at most 1 node; set it to at most 1"]
+
+
+def test_an_unknown_partition_lists_the_clusters_and_no_default_asks_for_one(partitions):
+    assert problems({**FITS, "partition": "nope"}, partitions) == [
+        "hydra.launcher.partition=nope: no such partition on this cluster; it has debug (the default), small, wide"]
+    partitions["debug"].default = False
+    assert problems(FITS, partitions) == [
+        "hydra.launcher.partition=null: this cluster has no default partition; name one of debug, small, wide"]
+
+
+def done(returncode: int, stdout: str = "", stderr: str = ""):
+    """A fake subprocess.run answering as the Slurm command did."""
+    return lambda cmd, **kw: subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+
+
+@pytest.fixture
+def slurm_on_path(tmp_path, monkeypatch):
+    """squeue and sacct present on PATH (their answers come from the fake `run`)."""
+    for name in ("squeue", "sacct"):
+        (tmp_path / name).write_text("#!/bin/sh\nexit 99\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+
+
+def test_squeue_answers_read(slurm_on_path):
+    assert parse_squeue("12_0|RUNNING\n12_1|CANCELLED by 0\n") == {"12_0": "RUNNING", "12_1": "CANCELLED"}
+    assert queue_states(["12_0"], run=done(0, "12_0|PENDING\n")) == {"12_0": "PENDING"}
+    # none of the ids is known any more: squeue exits 1 saying so (measured), which is "none listed"
+    assert queue_states(["12_0"], run=done(1, stderr="slurm_load_jobs error: Invalid job id specified\n")) == {}
+    assert queue_states(["12_0"], run=done(1, stderr="squeue: error: Unable to contact slurm controller\n")) == (
+        "squeue exited 1: squeue: error: Unable to contact slurm controller")
+
+
+def test_sacct_without_slurmdbd_says_why(slurm_on_path):
+    refused = ("sacct: error: Sending PersistInit msg: Connection refused\n"
+               "sacct: error: Problem talking to the database: Connection refused\n")
+    assert accounting_state("12_0", run=done(1, stderr=refused)) == (
+        None, "sacct exited 1: sacct: error: Problem talking to the database: Connection refused")
+    assert accounting_state("12_0", run=done(0, "REQUEUED\nCOMPLETED\n")) == ("COMPLETED", None)
+
+
+def job(num: int, result: bool = False) -> Watched:
+    return Watched(num, f"12_{num}", Path(f"/sweep/.submitit/12_{num}/12_{num}_0_log.err"), lambda: result)
+
+
+def test_a_job_is_lost_only_after_the_grace_without_a_result():
+    j = job(0)
+    update(j, {"12_0": "RUNNING"}, now=0)
+    assert (j.gone_since, j.lost) == (None, None)
+    update(j, {"12_0": "PREEMPTED"}, now=10)  # requeued by Slurm: it goes back to PENDING within the grace
+    update(j, {"12_0": "PENDING"}, now=12)
+    assert (j.gone_since, j.lost) == (None, None)
+    update(j, {}, now=20)  # no longer listed
+    update(j, {}, now=20 + RESULT_GRACE_S - 1)
+    assert j.lost is None
+    update(j, {}, now=20 + RESULT_GRACE_S)
+    assert j.lost == "left the queue"
+    finished = job(1, result=True)
+    update(finished, {}, now=0)
+    update(finished, {}, now=100)
+    assert finished.lost is None  # its result is there: Hydra reads it
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+def test_watch_ends_when_every_job_has_a_result_or_is_lost_and_falls_back_to_accounting():
+    clock = Clock()
+    jobs = [job(0, result=True), job(1)]
+    lost = watch(jobs, queue=lambda ids: {"12_1": "CANCELLED"}, accounting=lambda j: (None, "x"), clock=clock,
+                 sleep=clock.sleep)
+    assert lost == [jobs[1]] and RESULT_GRACE_S <= clock.now <= RESULT_GRACE_S + 6
+    warned = []
+    clock = Clock()
+    # slurmctld does not answer: told once, and the job is judged by Slurm's accounting
+    lost = watch([job(2)], queue=lambda ids: "squeue exited 1", accounting=lambda j: ("FAILED", None),
+                 clock=clock, sleep=clock.sleep, warn=warned.append)
+    assert [j.lost for j in lost] == ["FAILED"] and warned == ["squeue exited 1"]
+
+
+def test_the_lost_jobs_line_names_them_how_they_ended_their_logs_and_the_accounting():
+    a, b = job(0), job(1)
+    a.state = b.state = "CANCELLED"
+    no_dbd = lambda j: (None, "sacct exited 1: Problem talking to the database")  # noqa: E731
+    assert lost_line([a, b], no_dbd) == (
+        "KILLED", "jobs #0, #1 (Slurm 12_0, 12_1) cancelled: scancel; their logs: /sweep/.submitit/*/; Slurm "
+        "accounting did not answer (sacct exited 1: Problem talking to the database): submitit needs it (slurmdbd) "
+        "to see how jobs end")
+    gone = job(3)
+    assert lost_line([gone], no_dbd)[1].startswith(
+        "job #3 (Slurm 12_3) left the queue without a result; how it ended is unknown; "
+        "its log: /sweep/.submitit/12_3/12_3_0_log.err; Slurm accounting did not answer")
+    assert lost_line([gone, a], lambda j: ("NODE_FAIL", None)) == (
+        "FAILED", "job #3 (Slurm 12_3) ended NODE_FAIL without a result; its log: /sweep/.submitit/12_3/12_3_0_log.err;"
+        " 1 more job ended without a result")
+
+
+def test_a_refused_sweep_removes_only_the_folder_it_made(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    made = tmp_path / "multirun" / "2026-01-01" / "10-00-00"
+    made.mkdir(parents=True)
+    (made / ".dlpipe.lock").write_text("{}")
+    remove_if_only_locked(made)
+    assert list(tmp_path.iterdir()) == []  # with the clock-named parents it left empty
+    earlier = tmp_path / "sweep"
+    earlier.mkdir()
+    (earlier / ".dlpipe.lock").write_text("{}")
+    (earlier / "multirun.yaml").write_text("{}")
+    remove_if_only_locked(earlier)
+    assert sorted(p.name for p in earlier.iterdir()) == [".dlpipe.lock", "multirun.yaml"]
+
+
+def test_where_slurmctld_cannot_be_asked_the_sweep_is_submitted_with_one_warning(tmp_path, caplog):
+    from omegaconf import OmegaConf
+
+    from dlpipe.sweeps.slurm_check import refuse_what_cannot_start
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}, "launcher": {
+        "_target_": "hydra_plugins.dlpipe_submitit_launcher.SlurmLauncher", **FITS, "cpus_per_task": 512}}})
+
+    def unreachable():
+        raise OSError("scontrol show partition -o exited 1: slurm_load_partitions: Unable to contact slurm controller")
+
+    refuse_what_cannot_start(config, read=unreachable)  # returns: the sweep goes on
+    assert [r.getMessage() for r in caplog.records] == [
+        "cannot check the Slurm partition before submitting (scontrol show partition -o exited 1: "
+        "slurm_load_partitions: Unable to contact slurm controller): submitting as asked"]
+    with pytest.raises(SystemExit) as e:
+        refuse_what_cannot_start(config, read=lambda: parse(PARTITIONS, NODES))
+    assert e.value.code == 2
