@@ -29,8 +29,6 @@ from typing import Any
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import filter_overrides
-from hydra_plugins.hydra_submitit_launcher import submitit_launcher
-from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import OmegaConf
 
 from dlpipe.machine.slurm_queue import cancel
@@ -45,8 +43,20 @@ from dlpipe.tracking.run import end_status
 
 log = logging.getLogger("dlpipe")
 
+try:
+    from hydra_plugins.hydra_submitit_launcher import submitit_launcher
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+except ImportError:
+    # Without the slurm extra (hydra-submitit-launcher) there is nothing to extend. Hydra imports this
+    # module at every start of every dlpipe command, and an ImportError here would print its
+    # "plugin is incompatible or buggy" warning each time; based on object the class is no plugin at
+    # all, and hydra/launcher=slurm stops where Hydra finds no submitit_slurm config.
+    submitit_launcher = None
 
-class SlurmLauncher(submitit_launcher.SlurmLauncher):
+_HYDRAS = submitit_launcher.SlurmLauncher if submitit_launcher is not None else object
+
+
+class SlurmLauncher(_HYDRAS):
     """Hydra's SlurmLauncher with its jobs watched and cancelled as the module says."""
 
     def launch(self, job_overrides, initial_job_idx: int):

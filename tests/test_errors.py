@@ -6,6 +6,7 @@ import socket
 import pytest
 from conftest import runs_of
 from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
 from torch.utils.data import DataLoader, Dataset
 
 from dlpipe.cli import multirun_first, resolve
@@ -236,3 +237,24 @@ def test_worker_only_settings_without_workers_are_dropped_with_a_note():
     assert plan.notes == ["train: loader.prefetch_factor=4 ignored: it needs num_workers > 0",
                           "train: loader.timeout=5.0 ignored: it bounds the wait for a worker's batch (num_workers=0)"]
     assert [b.tolist() for b in plan.loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("exc, line", [
+    # as Hydra raises them when the plugin's module is not installed (measured with it blocked)
+    (MissingConfigException("In 'hydra/launcher/slurm': Could not load 'hydra/launcher/submitit_slurm'.\n\nConfig "
+                            "search path: ...", missing_cfg_file="hydra/launcher/submitit_slurm"),
+     "hydra/launcher=slurm: needs the Hydra plugin that provides hydra/launcher/submitit_slurm, which is not "
+     "installed; pip install 'dlpipe[slurm]'"),
+    (MissingConfigException("In 'hydra/config': Could not find 'hydra/sweeper/optuna'\n\nAvailable options in "
+                            "'hydra/sweeper':\n\tbasic", missing_cfg_file="hydra/sweeper/optuna", options=["basic"]),
+     "hydra/sweeper=optuna: needs the Hydra plugin that provides hydra/sweeper/optuna, which is not installed; "
+     "pip install 'dlpipe[hpo]'"),
+    (MissingConfigException("In 'hydra/config': Could not find 'hydra/launcher/nope'", options=["basic", "slurm"],
+                            missing_cfg_file="hydra/launcher/nope"),
+     "hydra/launcher=nope: no such hydra/launcher option; available: basic, slurm"),
+])
+def test_a_launcher_or_sweeper_without_its_plugin_names_the_extra_that_installs_it(exc, line):
+    assert one_line(exc, []) == line
+    # named as chosen: slurm_gpu builds on slurm, which Hydra names
+    chosen = one_line(exc, ["--multirun", "hydra/launcher=slurm_gpu", "+recipe=smoke"])
+    assert chosen == line.replace("hydra/launcher=slurm:", "hydra/launcher=slurm_gpu:")

@@ -4,6 +4,7 @@ line reads, how squeue's and sacct's answers are read, and when a watched job co
 a result. tests/test_slurm_sweeps.py runs the same through the CLI on a real cluster."""
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,24 @@ def test_where_slurmctld_cannot_be_asked_the_sweep_is_submitted_with_one_warning
     with pytest.raises(SystemExit) as e:
         refuse_what_cannot_start(config, read=lambda: parse(PARTITIONS, NODES))
     assert e.value.code == 2
+
+
+def test_without_the_slurm_extra_hydras_plugin_scan_finds_no_launcher_and_prints_nothing(monkeypatch):
+    """Hydra imports every module of hydra_plugins at each start: dlpipe's launcher module must import
+    without hydra-submitit-launcher (a plain `pip install dlpipe`), or every command would print
+    Hydra's 'plugin is incompatible or buggy' warning; it then offers no launcher at all."""
+    import importlib.util
+    import warnings
+
+    from hydra.plugins.plugin import Plugin
+
+    import hydra_plugins.dlpipe_submitit_launcher as installed
+
+    monkeypatch.setitem(sys.modules, "hydra_plugins.hydra_submitit_launcher", None)  # as if not installed
+    spec = importlib.util.spec_from_file_location("dlpipe_launcher_without_extra", installed.__file__)
+    module = importlib.util.module_from_spec(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spec.loader.exec_module(module)
+    assert not issubclass(module.SlurmLauncher, Plugin)
+    assert issubclass(installed.SlurmLauncher, Plugin)  # with the extra (this environment): Hydra's launcher

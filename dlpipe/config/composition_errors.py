@@ -50,6 +50,10 @@ def _unknown_key(error: OmegaConfBaseException, overrides: list[str]) -> str:
 
 
 _RECIPE = re.compile(r"In 'recipe/([^']+)'")
+# Hydra configs that exist only once a plugin is installed, and dlpipe's extra that installs it
+_PLUGIN_EXTRAS = {"hydra/launcher/submitit_slurm": "slurm", "hydra/launcher/submitit_local": "slurm",
+                  "hydra/sweeper/optuna": "hpo"}
+_WITHIN = re.compile(r"In '(hydra/\w+/\w+)'")
 
 
 def _config_dirs(argv: list[str]) -> list[str]:
@@ -66,6 +70,9 @@ def one_line(exc: BaseException, overrides: list[str]) -> str | None:
     """A one-line message for a Hydra composition error; None for anything else."""
     if isinstance(exc, yaml.YAMLError):  # a file under --config-dir (or --config-name's) that does not parse
         return yaml_problem(exc)
+    plugin = _missing_plugin(exc, overrides)
+    if plugin:
+        return plugin
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
         group, _, option = exc.missing_cfg_file.rpartition("/")
         if group.lstrip("/") == UNREADABLE:  # a recipe whose file is broken (config.store): why, not this stand-in
@@ -100,3 +107,18 @@ def one_line(exc: BaseException, overrides: list[str]) -> str | None:
         override = _override_for(key, overrides)
         return f"{override}: {key} already exists; drop the + to change it ({override.lstrip('+')})"
     return " ".join(line.strip() for line in lines[:2] if line.strip()) or None
+
+
+def _missing_plugin(exc: BaseException, overrides: list[str]) -> str | None:
+    """`hydra/launcher=slurm` or `hydra/sweeper=optuna` without the Hydra plugin behind it: which extra
+    installs it (Hydra says only that a config could not be loaded, or that the option does not exist).
+    Named as the user chose it: Hydra names the config that loads the plugin's (slurm for slurm_gpu)."""
+    if not isinstance(exc, MissingConfigException) or exc.missing_cfg_file not in _PLUGIN_EXTRAS:
+        return None
+    missing = exc.missing_cfg_file
+    within = _WITHIN.match(str(exc))  # a dlpipe preset built on it: In 'hydra/launcher/slurm': ...
+    group, _, option = (within.group(1) if within else missing).rpartition("/")
+    chosen = [o.lstrip("+~").partition("=")[2] for o in overrides if o.lstrip("+~").startswith(f"{group}=")]
+    option = chosen[-1] if chosen else option
+    return (f"{group}={option}: needs the Hydra plugin that provides {missing}, which is not installed; "
+            f"pip install 'dlpipe[{_PLUGIN_EXTRAS[missing]}]'")
