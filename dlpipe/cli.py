@@ -34,7 +34,13 @@ from dlpipe.sweeps.outcome import SweepEnded
 from dlpipe.tasks.preflight import JobContext
 from dlpipe.tasks.writable import check_writable, hydra_output_error
 from dlpipe.tracking.given_run import refuse_outside_training
-from dlpipe.training.distributed import devices_requested, export_submitit_env, ranks_from_env, torchrun_command
+from dlpipe.training.distributed import (
+    devices_requested,
+    export_submitit_env,
+    ranks_from_env,
+    sweep_across_ranks,
+    torchrun_command,
+)
 from dlpipe.training.requeue import requeue_through_submitit
 
 # Imported inside functions: the task modules (dlpipe.tasks.<task> through _task_module, and sync), each
@@ -244,6 +250,12 @@ def main() -> None:
     sys.argv = multirun_first(sys.argv)
     refuse_a_sweep_into_one_run(sys.argv)
     restart_under_torchrun(sys.argv)
+    # Before Hydra opens the sweep's folder and parent run: every rank (torchrun's, an srun step's
+    # tasks) would run the whole sweep.
+    refusal = sweep_across_ranks(sys.argv[1:])
+    if refusal:
+        print(f"dlpipe: error: {refusal}", file=sys.stderr)
+        sys.exit(2)
     if ranks_from_env().rank > 0 and "SUBMITIT_EXECUTOR" not in os.environ:
         # A torchrun rank other than 0 writes nothing of its own: no run directory, Hydra record or
         # log file (its output directory comes from rank 0; see tasks/train.py). Last, so they win.

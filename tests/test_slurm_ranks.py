@@ -88,9 +88,10 @@ def test_srun_refuses_a_sweep_in_every_task(slurm, batch, tmp_path):
     script.write_text(f"#!/bin/bash\nsrun {dlpipe}\n")
     code, job, out = batch("--ntasks=2", "--cpus-per-task=1", str(script))
     assert code != 0
-    assert ("--multirun in an srun step of 2 tasks: every rank would run the whole sweep; sweep with "
-            "hydra/launcher=slurm_node (tasks_per_node=N), or start one srun per job") in out, out[-3000:]
-    assert "epoch 1" not in out and not list(tmp_path.rglob("*.pt"))
+    line = ("dlpipe: error: --multirun in an srun step of 2 tasks: every rank would run the whole sweep; sweep with "
+            "hydra/launcher=slurm_node (tasks_per_node=N), or start one srun per job")
+    assert out.count(line) == 2, out[-3000:]  # each task, before Hydra opened the sweep
+    assert not (tmp_path / "sweep").exists() and "epoch 1" not in out and not list(tmp_path.rglob("*.pt"))
 
 
 def test_slurm_node_trains_two_ranks_through_submitit(sweep, tmp_path, mlflow_store, mlflow_client,  # noqa: F811
