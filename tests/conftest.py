@@ -1,6 +1,7 @@
 """Shared fixtures: run the real `dlpipe` command in a subprocess against a real MLflow store."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,13 @@ TESTS_DIR = Path(__file__).resolve().parent
 # 127.0.0.1 only, so switch it off here and in every dlpipe subprocess.
 NO_PHONE_HOME = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
 os.environ.update(NO_PHONE_HOME)
+
+# A test run started in the background by a shell without job control (`nohup .ci/run &`) inherits
+# SIGINT ignored, and every dlpipe it starts would too: the Ctrl-C tests would see their signal
+# ignored (measured: 3 failures). A handler of ours is reset to the default at exec, so the children
+# get Ctrl-C as a terminal gives it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # -- Test tiers. `pytest -m "not integration"` is the fast tier: everything in this process. A test
