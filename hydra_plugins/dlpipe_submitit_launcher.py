@@ -120,7 +120,12 @@ class SlurmLauncher(_HYDRAS):
                               f"its log: {job.paths.stderr}", 1) from None
 
     def _interrupted(self, e: BaseException, jobs: list, sweep_dir: Path) -> SweepEnded:
-        """A stop signal to the submitter: cancel the jobs still without a result, say so."""
+        """A stop signal to the submitter: cancel the jobs still without a result, say so. A signal
+        repeated meanwhile (a second Ctrl-C, a scheduler's SIGTERM after the user's) is the same stop
+        request: ignored until the launch's handlers are restored, or it would end the submitter in a
+        traceback halfway through cancelling."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         _, said = end_status(type(e), e)  # as a run says it: terminated (SIGTERM), interrupted (Ctrl-C)
         code = 130 if isinstance(e, KeyboardInterrupt) else 143
         unfinished = [j.job_id for j in jobs if not j.paths.result_pickle.exists()]

@@ -12,6 +12,7 @@ the real one-node cluster (tests/slurm_cluster.py) with test_slurm's fixtures.
 
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -148,14 +149,35 @@ def test_scancel_of_a_whole_sweep_without_accounting_ends_it_in_one_line(slurm, 
         ("KILLED", "terminated (SIGTERM)")] * 2
 
 
-def test_sigterm_to_the_submitter_cancels_its_jobs_and_ends_the_parent_killed(slurm, sweep, tmp_path, mlflow_store,
-                                                                             mlflow_client):
+@pytest.fixture
+def signal_while_cancelling(tmp_path, monkeypatch):
+    """A second SIGTERM to the submitter while it cancels its jobs: a `scancel` first on PATH that sends
+    one to the process that started it (once, and only to a dlpipe), then runs Slurm's. Set up before
+    `sweep`, which takes the environment when it starts."""
+    folder, once = tmp_path / "signals-submitter", tmp_path / "signalled-submitter"
+    folder.mkdir()
+    real = shutil.which("scancel") or "/usr/bin/scancel"
+    # only a dlpipe parent (the submitter), never pytest: a teardown's scancel after a failure must not
+    (folder / "scancel").write_text(
+        f"#!/bin/sh\nif [ ! -e {once} ] && tr '\\0' ' ' < /proc/$PPID/cmdline | grep -q -- '-m dlpipe'; then\n"
+        f"  touch {once}; kill -TERM $PPID\nfi\nexec {real} \"$@\"\n")
+    (folder / "scancel").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    return once
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["once", "again-while-cancelling"])
+def test_sigterm_to_the_submitter_cancels_its_jobs_and_ends_the_parent_killed(request, again, slurm, tmp_path,
+                                                                             mlflow_store, mlflow_client):
+    signalled_again = request.getfixturevalue("signal_while_cancelling") if again else None
+    sweep = request.getfixturevalue("sweep")  # after the fake scancel: the submitter's PATH is taken here
     marker = tmp_path / "waiting"
     proc = sweep(*WAITING, "dataset.at=150", f"dataset.marker={marker}", f"tracking.uri={mlflow_store}",
                  "tracking.experiment=slurm-submitter-terminated")
     job = waiting_jobs(tmp_path, proc, [marker])  # a one-job sweep is one Slurm job, no array
     proc.send_signal(signal.SIGTERM)
     code, err = finish(proc, timeout=60)
+    assert signalled_again is None or signalled_again.exists()  # the second SIGTERM was sent, mid-cancel
     line = (f"terminated (SIGTERM): cancelled the sweep's 1 unfinished Slurm job ({job}): each checkpoints and "
             "ends its run KILLED; run the same command with hydra.sweep.dir=sweep to resume them; "
             "logs: sweep/.submitit")
