@@ -29,8 +29,33 @@ from collections.abc import Mapping
 
 log = logging.getLogger("dlpipe")
 
-SCONTROL_TIMEOUT_S = 20  # slurmctld answers in ms; an unreachable one must not eat the grace period
+COMMAND_TIMEOUT_S = 20  # slurmctld answers in ms; an unreachable one must not eat a grace period or hold a sweep
 _FIELD = re.compile(r"(\w+)=(\S*)")
+
+
+def command(argv: list[str], run=subprocess.run) -> subprocess.CompletedProcess | str:
+    """A Slurm command (scontrol, squeue, sacct, scancel) run to its end, whatever its exit code, or
+    why it did not run: not on PATH, no answer within COMMAND_TIMEOUT_S, the OS's error."""
+    program = shutil.which(argv[0])
+    if program is None:
+        return f"no {argv[0]} on PATH"
+    try:
+        return run([program, *argv[1:]], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+                   stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"{argv[0]} did not answer within {COMMAND_TIMEOUT_S} s"
+    except OSError as e:
+        return str(e)
+
+
+def last_line(text: str) -> str:
+    """The line of a command's stderr that says why (Slurm's tools end with it), cut to 200 characters."""
+    return (text.strip().splitlines() or [""])[-1][:200]
+
+
+def fields(line: str) -> dict[str, str]:
+    """One record of `scontrol show ... -o` (`Key=Value` fields) as {field: value}."""
+    return dict(_FIELD.findall(line))
 
 
 def job_id(environ: Mapping[str, str] = os.environ) -> str | None:
@@ -57,20 +82,17 @@ def is_first_rank(environ: Mapping[str, str] = os.environ) -> bool:
 
 def show_job(job: str, run=subprocess.run) -> dict[str, str] | None:
     """slurmctld's record of `job` as {field: value} (`scontrol show job -o`); None when scontrol is
-    missing or does not answer."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
+    missing (silently: no Slurm here) or does not answer."""
+    if shutil.which("scontrol") is None:
         return None
-    try:
-        r = run([scontrol, "show", "job", "-o", job], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S,
-                stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        log.warning("scontrol show job %s: %s", job, e)
+    r = command(["scontrol", "show", "job", "-o", job], run)
+    if isinstance(r, str):
+        log.warning("scontrol show job %s: %s", job, r)
         return None
     if r.returncode != 0:
         log.warning("scontrol show job %s exited %d: %s", job, r.returncode, r.stderr.strip()[:200])
         return None
-    return dict(_FIELD.findall(r.stdout))
+    return fields(r.stdout)
 
 
 def being_preempted(record: Mapping[str, str]) -> bool:
@@ -81,12 +103,7 @@ def being_preempted(record: Mapping[str, str]) -> bool:
 
 def requeue(job: str, run=subprocess.run) -> str | None:
     """`scontrol requeue JOB`; None when slurmctld took it, else why not."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        return "no scontrol on PATH"
-    try:
-        r = run([scontrol, "requeue", job], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S,
-                stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return str(e)
+    r = command(["scontrol", "requeue", job], run)
+    if isinstance(r, str):
+        return r
     return None if r.returncode == 0 else (r.stderr.strip() or f"exit {r.returncode}")[:200]

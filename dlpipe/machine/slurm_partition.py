@@ -13,13 +13,11 @@ takes it and it stays PENDING for ever. `scontrol show partition -o` and `scontr
 A leaf module: no Hydra, nothing read at import.
 """
 
-import re
-import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-SCONTROL_TIMEOUT_S = 20  # slurmctld answers in ms; one that does not must not hold the sweep long
-_FIELD = re.compile(r"(\w+)=(\S*)")
+from dlpipe.machine.slurm import command, fields, last_line
+
 _UNLIMITED = ("UNLIMITED", "INFINITE", "NONE", "N/A", "")
 
 
@@ -83,7 +81,7 @@ def minutes(value: str) -> float | None:
 
 def records(text: str) -> list[dict[str, str]]:
     """`scontrol show ... -o` output as one {field: value} per line."""
-    return [dict(_FIELD.findall(line)) for line in text.splitlines() if "=" in line]
+    return [fields(line) for line in text.splitlines() if "=" in line]
 
 
 def parse(partitions_text: str, nodes_text: str) -> dict[str, Partition]:
@@ -109,17 +107,11 @@ def parse(partitions_text: str, nodes_text: str) -> dict[str, Partition]:
 
 def _scontrol(*args: str, run=subprocess.run) -> str:
     """scontrol's stdout; OSError with why it did not answer."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        raise OSError("no scontrol on PATH")
-    try:
-        r = run([scontrol, *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S,
-                stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise OSError(f"scontrol {' '.join(args)} did not answer within {SCONTROL_TIMEOUT_S} s") from None
+    r = command(["scontrol", *args], run)
+    if isinstance(r, str):
+        raise OSError(r)
     if r.returncode != 0:
-        raise OSError(f"scontrol {' '.join(args)} exited {r.returncode}: "
-                      f"{(r.stderr.strip().splitlines() or [''])[-1][:200]}")
+        raise OSError(f"scontrol {' '.join(args)} exited {r.returncode}: {last_line(r.stderr)}")
     return r.stdout
 
 

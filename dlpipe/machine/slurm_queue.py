@@ -11,32 +11,15 @@ of the ids asked is known, squeue exits 1 with "Invalid job id specified"); with
 A leaf module: nothing read at import.
 """
 
-import shutil
 import subprocess
 
-TIMEOUT_S = 20
+from dlpipe.machine.slurm import command, last_line
+
 ENDED = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "TIMEOUT", "SPECIAL_EXIT"})
 """Slurm job states after which the job runs no more (unless Slurm requeues it: PREEMPTED, TIMEOUT
 under submitit's requeue go back to PENDING)."""
 FORGOTTEN = "Invalid job id specified"
-
-
-def _run(cmd: list[str], run) -> subprocess.CompletedProcess | str:
-    """The finished command, or why it did not run."""
-    program = shutil.which(cmd[0])
-    if program is None:
-        return f"no {cmd[0]} on PATH"
-    try:
-        return run([program, *cmd[1:]], capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return f"{cmd[0]} did not answer within {TIMEOUT_S} s"
-    except OSError as e:
-        return str(e)
-
-
-def _last_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[-1][:200]
 
 
 def parse_squeue(text: str) -> dict[str, str]:
@@ -52,30 +35,30 @@ def parse_squeue(text: str) -> dict[str, str]:
 def queue_states(job_ids: list[str], run=subprocess.run) -> dict[str, str] | str:
     """{job id: state} for every job of `job_ids` slurmctld still knows (an array's tasks by
     ARRAY_TASK ids); a job it forgot is absent. A string says why squeue did not answer."""
-    r = _run(["squeue", "-h", "-t", "all", "-r", "-j", ",".join(job_ids), "-o", "%i|%T"], run)
+    r = command(["squeue", "-h", "-t", "all", "-r", "-j", ",".join(job_ids), "-o", "%i|%T"], run)
     if isinstance(r, str):
         return r
     if r.returncode != 0:
         if FORGOTTEN in r.stderr:
             return {}
-        return f"squeue exited {r.returncode}: {_last_line(r.stderr)}"
+        return f"squeue exited {r.returncode}: {last_line(r.stderr)}"
     return parse_squeue(r.stdout)
 
 
 def accounting_state(job_id: str, run=subprocess.run) -> tuple[str | None, str | None]:
     """(the job's last state in Slurm's accounting or None, why sacct could not tell or None)."""
-    r = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], run)
+    r = command(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], run)
     if isinstance(r, str):
         return None, r
     if r.returncode != 0:
-        return None, f"sacct exited {r.returncode}: {_last_line(r.stderr)}"
+        return None, f"sacct exited {r.returncode}: {last_line(r.stderr)}"
     states = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
     return (states[-1] if states else None), None
 
 
 def cancel(job_ids: list[str], run=subprocess.run) -> str | None:
     """`scancel IDS`; None when slurmctld took it, else why not."""
-    r = _run(["scancel", *job_ids], run)
+    r = command(["scancel", *job_ids], run)
     if isinstance(r, str):
         return r
-    return None if r.returncode == 0 else f"scancel exited {r.returncode}: {_last_line(r.stderr)}"
+    return None if r.returncode == 0 else f"scancel exited {r.returncode}: {last_line(r.stderr)}"
