@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from dlpipe.config.composition_errors import one_line
 from dlpipe.config.group_options import refuse_paths_as_options
 from dlpipe.config.interpolations import unresolved
-from dlpipe.config.output_folder import LOCK_FILE
+from dlpipe.config.output_folder import LOCK_FILE, remove_empty_parents
 from dlpipe.config.paths import conf_dir
 from dlpipe.config.resolvers import register_resolvers
 from dlpipe.config.store import register_recipes, register_schemas
@@ -88,10 +88,7 @@ def remove_if_half_made(output_dir: Path, job_name: str) -> None:
             continue
         return
     shutil.rmtree(output_dir)
-    parent = output_dir.parent
-    while parent != cwd and cwd in parent.parents and not any(parent.iterdir()):
-        parent.rmdir()
-        parent = parent.parent
+    remove_empty_parents(output_dir, cwd)
 
 
 def _task_module(task: str):

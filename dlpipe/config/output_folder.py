@@ -80,6 +80,16 @@ def release(lock: LockFile | None) -> None:
         lock.close(remove=True)
 
 
+def remove_empty_parents(folder: Path, within: Path) -> None:
+    """After `folder` was removed: its parents that are now empty, up to (not including) `within`,
+    the working directory (outputs/DATE of a run or sweep that left nothing). Both paths normalized
+    alike (absolute or resolved)."""
+    parent = folder.parent
+    while within in parent.parents and not any(parent.iterdir()):
+        parent.rmdir()
+        parent = parent.parent
+
+
 def override(key: str, value: str) -> str:
     """`key=value` in Hydra's override grammar (quoted unless the value is plain)."""
     if SAFE_OVERRIDE_VALUE.fullmatch(value):

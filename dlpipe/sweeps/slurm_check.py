@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dlpipe.config.output_folder import LOCK_FILE
+from dlpipe.config.output_folder import LOCK_FILE, remove_empty_parents
 from dlpipe.machine.slurm_partition import Partition, read_partitions
 
 log = logging.getLogger("dlpipe")
@@ -99,7 +99,4 @@ def remove_if_only_locked(folder: Path) -> None:
         return
     (folder / LOCK_FILE).unlink(missing_ok=True)
     folder.rmdir()
-    parent = folder.parent
-    while cwd in parent.parents and not any(parent.iterdir()):
-        parent.rmdir()
-        parent = parent.parent
+    remove_empty_parents(folder, cwd)
