@@ -173,7 +173,7 @@ def test_sigterm_to_the_submitter_cancels_its_jobs_and_ends_the_parent_killed(re
     sweep = request.getfixturevalue("sweep")  # after the fake scancel: the submitter's PATH is taken here
     marker = tmp_path / "waiting"
     proc = sweep(*WAITING, "dataset.at=150", f"dataset.marker={marker}", f"tracking.uri={mlflow_store}",
-                 "tracking.experiment=slurm-submitter-terminated")
+                 f"tracking.experiment=slurm-submitter-terminated-{request.node.callspec.id}")
     job = waiting_jobs(tmp_path, proc, [marker])  # a one-job sweep is one Slurm job, no array
     proc.send_signal(signal.SIGTERM)
     code, err = finish(proc, timeout=60)
@@ -184,7 +184,7 @@ def test_sigterm_to_the_submitter_cancels_its_jobs_and_ends_the_parent_killed(re
     assert (code, err) == (143, f"dlpipe: error: {line}\n")
     slurm.wait("the job cancelled", lambda: slurm.run("squeue", "-h", "-t", "all", "-j", job, "-o", "%T").strip()
                == "CANCELLED", timeout=60)
-    parent, [child] = ended(mlflow_client, "slurm-submitter-terminated")
+    parent, [child] = ended(mlflow_client, f"slurm-submitter-terminated-{request.node.callspec.id}")
     assert (parent.info.status, parent.data.tags["dlpipe.end_reason"]) == ("KILLED", line)
     assert (child.info.status, child.data.tags["dlpipe.end_reason"]) == ("KILLED", "terminated (SIGTERM)")
     assert (tmp_path / "sweep" / "0" / "checkpoints" / "epoch-0002.pt").is_file()  # what resumes it
