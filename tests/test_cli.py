@@ -123,6 +123,10 @@ def test_multirun_makes_parent_with_child_runs(dlpipe, mlflow_store, mlflow_clie
     summary = open(mlflow_client.download_artifacts(parent.info.run_id, "sweep_summary.md")).read()
     assert "loader.num_workers=0" in summary and "loader.num_workers=1" in summary
     assert "sweep summary (2 runs" in r.stdout
+    # where to look, once for the sweep (its jobs leave it to the parent), after the summary
+    looks = [line for line in r.stdout.splitlines() if line.startswith("MLflow UI: ")]
+    assert looks == [r.stdout.splitlines()[-1]]
+    assert f"/#/experiments/{parent.info.experiment_id}/runs?workflowType=machine_learning" in looks[0]
     # the descriptions the UI shows: the parent's comparison with its headline first, each child's verdict
     note = tags["mlflow.note.content"]
     assert note.startswith("**Best val_loss: ") and note == summary.rstrip("\n")

@@ -42,6 +42,7 @@ from dlpipe.tracking.context_tags import context_tags
 from dlpipe.tracking.run import PARENT_RUN_ENV, PARENT_TAG, end_status
 from dlpipe.tracking.run_names import SWEPT_KEYS_ENV, override_key, sweep_name
 from dlpipe.tracking.store_lock import absolute_uri
+from dlpipe.tracking.where_to_look import where_to_look
 
 # Imported inside functions: mlflow (seconds), only in a --multirun sweep that tracks: Hydra loads this
 # callback for every job (conf/config.yaml's hydra.callbacks), `dlpipe plan` and untracked runs too.
@@ -74,6 +75,7 @@ class SweepTracking(Callback):
         self.ended: tuple[str, str] | None = None  # (status, reason) the launcher gave (ended_by)
         self.every_job_runs = True  # whether Hydra runs every job even when one fails (_every_job_runs)
         self._previous_handlers: dict = {}
+        self.look: tuple[str, str, str] | None = None  # the parent's tracking URI, experiment name and id
 
     def __getstate__(self):
         # Launchers that run jobs elsewhere (submitit) pickle the callbacks with the task;
@@ -106,6 +108,7 @@ class SweepTracking(Callback):
             run = self.client.create_run(exp, run_name=sweep_name(recipe, given, swept), tags=tags)
             self.parent_id = run.info.run_id
         write_marker(folder, self.parent_id, where)
+        self.look = (tracking["uri"], tracking["experiment"], exp)  # where_to_look's, printed at the end
         self.every_job_runs = _every_job_runs(config)
         os.environ[PARENT_RUN_ENV] = self.parent_id
         os.environ[SWEPT_KEYS_ENV] = json.dumps(swept)  # each job is named by its values of these
@@ -220,6 +223,8 @@ class SweepTracking(Callback):
         for k, v in tags.items():
             self.client.set_tag(parent, k, tag_value(v))
         self.client.set_terminated(parent, status)
+        uri, name, exp = self.look
+        print(where_to_look(uri, name, experiment_id=exp), flush=True)  # once a sweep: its jobs leave it to here
 
     def _failed_reason(self, failed: int, jobs: int) -> str:
         """What ended the sweep FAILED, as it happened: Hydra's basic sweeper runs every job of a

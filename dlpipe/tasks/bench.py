@@ -13,8 +13,7 @@ from dlpipe.machine import hardware
 from dlpipe.tasks.measurement import prepare_measurement
 from dlpipe.tasks.params import auto_tags, config_params
 from dlpipe.tasks.preflight import JobContext
-from dlpipe.tasks.tracking_run import open_run, run_tags
-from dlpipe.tracking.where_to_look import where_to_look
+from dlpipe.tasks.tracking_run import open_run, print_where_to_look, run_tags
 
 log = logging.getLogger("dlpipe")
 
@@ -45,6 +44,5 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
     measurement_file(cfg, job.budget.budget, bench_mode(cfg)).append(settings_of(loader), metrics["samples_per_s"],
                                                                      "dlpipe bench")
     print(f"bench: {describe(metrics)}", flush=True)
-    if tracked.run_id:
-        print(where_to_look(cfg.tracking.uri, cfg.tracking.experiment), flush=True)
+    print_where_to_look(ctx, cfg.tracking, tracked.run_id)
     return metrics["samples_per_s"]

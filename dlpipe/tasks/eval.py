@@ -19,8 +19,7 @@ from dlpipe.machine import hardware
 from dlpipe.tasks.build import build_data_and_model, build_objective_and_metrics, validation_view
 from dlpipe.tasks.params import auto_params, auto_tags, flatten, recorded_config
 from dlpipe.tasks.preflight import JobContext, preflight
-from dlpipe.tasks.tracking_run import open_run, run_tags
-from dlpipe.tracking.where_to_look import where_to_look
+from dlpipe.tasks.tracking_run import open_run, print_where_to_look, run_tags
 from dlpipe.training.evaluate import evaluate
 from dlpipe.training.net import autocast_for
 from dlpipe.training.resume import init_weights
@@ -68,6 +67,5 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
         tracked.log_metrics(scores, step=0)
     shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
     print(f"eval: {shown} ({len(split)} samples of the {name}, weights {weights})", flush=True)
-    if tracked.run_id:
-        print(where_to_look(cfg.tracking.uri, cfg.tracking.experiment), flush=True)
+    print_where_to_look(ctx, cfg.tracking, tracked.run_id)
     return scores.get("val_loss", float("nan"))

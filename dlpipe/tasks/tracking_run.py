@@ -23,6 +23,7 @@ from dlpipe.tracking.outbox import OUTBOX_FILE
 from dlpipe.tracking.run import PARENT_RUN_ENV, MlflowRun
 from dlpipe.tracking.run_names import job_name, swept_keys_of_parent
 from dlpipe.tracking.sidecar_run import SidecarRun
+from dlpipe.tracking.where_to_look import where_to_look
 
 log = logging.getLogger("dlpipe")
 
@@ -41,6 +42,13 @@ def run_tags(ctx: JobContext, **extra: str) -> dict[str, str]:
         **slurm.job_tags(),  # under Slurm: the job id, array task, partition, nodes (sacct and squeue find it)
         **extra,
     }
+
+
+def print_where_to_look(ctx: JobContext, tracking: TrackingConfig, run_id: str | None) -> None:
+    """The MLflow UI line at a tracked run's end. A sweep's job leaves it to the sweep's parent
+    (sweeps.callback), which prints it once after the summary rather than once a job."""
+    if run_id and not (ctx.multirun and os.environ.get(PARENT_RUN_ENV)):
+        print(where_to_look(tracking.uri, tracking.experiment), flush=True)
 
 
 def objective_tags(objective: SweepObjective | None) -> dict[str, str]:

@@ -22,12 +22,11 @@ from dlpipe.schema import DlpipeConfig, TrackingConfig
 from dlpipe.stop import ignore_termination, stop_gracefully
 from dlpipe.tasks.fit_checks import TELEMETRY_METRICS
 from dlpipe.tasks.preflight import JobContext, preflight
-from dlpipe.tasks.tracking_run import objective_tags, open_run, start_tracking
+from dlpipe.tasks.tracking_run import objective_tags, open_run, print_where_to_look, start_tracking
 from dlpipe.tracking.given_run import given_run_id
 from dlpipe.tracking.metric_names import dlpipe_name
 from dlpipe.tracking.protocols import JobRun
 from dlpipe.tracking.sidecar_run import SidecarRun
-from dlpipe.tracking.where_to_look import where_to_look
 from dlpipe.training import distributed
 from dlpipe.training.requeue import submitit_signal
 
@@ -171,7 +170,7 @@ def train_tracked(ctx: JobContext, raw: dict, cfg: DlpipeConfig, decided: dict[s
         print(f"bottleneck: {verdict.line()}", flush=True)
         if run.run_id:
             log.info("MLflow run %s (%s) in %s", run.run_id, run.status, redact_text(cfg.tracking.uri))
-            print(where_to_look(cfg.tracking.uri, cfg.tracking.experiment), flush=True)
+        print_where_to_look(ctx, cfg.tracking, run.run_id)
     return objective.value(history) if objective is not None else None
 
 

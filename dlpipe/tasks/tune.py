@@ -35,10 +35,9 @@ from dlpipe.stop import Terminated, Unbroken
 from dlpipe.tasks.measurement import prepare_measurement
 from dlpipe.tasks.params import auto_tags, config_params, settings_params
 from dlpipe.tasks.preflight import JobContext
-from dlpipe.tasks.tracking_run import open_run, run_tags
+from dlpipe.tasks.tracking_run import open_run, print_where_to_look, run_tags
 from dlpipe.tasks.tune_result import TuneResult, header, trial_table
 from dlpipe.tracking.run import MlflowRun
-from dlpipe.tracking.where_to_look import where_to_look
 
 log = logging.getLogger("dlpipe")
 
@@ -92,8 +91,7 @@ def run(ctx: JobContext, raw: dict, resolved: dict) -> float:
           f"the automatic config, {len(result.trials)} trials in {result.seconds:.0f} s"
           + (" (inconclusive: see above)" if said else ""), flush=True)
     print(f"use it: dlpipe --config-dir {bench.output_dir} loader={bench.name} ...", flush=True)
-    if parent.run_id:
-        print(where_to_look(cfg.tracking.uri, cfg.tracking.experiment), flush=True)
+    print_where_to_look(ctx, cfg.tracking, parent.run_id)
     return result.best.samples_per_s
 
 
