@@ -51,3 +51,56 @@ def test_an_objective_the_job_will_not_log_is_refused_before_anything_is_made(dl
     [error] = [x for x in r.stderr.splitlines() if x]
     assert error.startswith(f"dlpipe: error: {line}"), error
     assert list(tmp_path.iterdir()) == []  # no output folder, no MLflow store
+
+
+@pytest.mark.skipif(OPTUNA_MISSING, reason="Hydra's Optuna sweeper is not installed: pip install -e '.[hpo]'")
+@pytest.mark.parametrize("args, line", [
+    # Optuna's default direction is minimize: r2 is better higher
+    (["+recipe=regression", "sweep.objective=val/r2"],
+     "hydra.sweeper.direction=minimize: val_r2 is better higher (sweep.direction=max), so the sweeper would seek "
+     "the worst trial; set hydra.sweeper.direction=maximize"),
+    (["+recipe=smoke", "hydra.sweeper.direction=maximize"],
+     "hydra.sweeper.direction=maximize: val_loss is better lower (sweep.direction=min), so the sweeper would seek "
+     "the worst trial; set hydra.sweeper.direction=minimize"),
+    (["+recipe=smoke", "sweep.objective=val_r2"],
+     "sweep.objective=val_r2: this job does not log it; it logs train_loss, val_loss, val_accuracy or a timing"),
+], ids=["default-direction", "maximize-a-loss", "not-logged"])
+def test_a_search_every_trial_would_refuse_stops_before_its_folder_and_parent_run(dlpipe, tmp_path, args, line):
+    """The objective is checked once on the sweep's shared config (tasks.objective_check): before, each
+    trial failed on it in turn, after the sweep's folder and parent run were made."""
+    r = dlpipe("--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "optim.lr=interval(1e-3,1e-1)",
+               *args, f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    assert r.returncode == 2, r.stderr
+    [error] = [x for x in r.stderr.splitlines() if x]
+    assert error.startswith(f"dlpipe: error: {line}"), error
+    assert "epoch 1/" not in r.stdout + r.stderr
+    assert list(tmp_path.iterdir()) == []  # no sweep folder, no MLflow store
+
+
+@pytest.mark.skipif(OPTUNA_MISSING, reason="Hydra's Optuna sweeper is not installed: pip install -e '.[hpo]'")
+def test_the_search_check_leaves_what_only_a_built_job_knows_to_the_jobs():
+    """A metric of the user's own has its direction from its torchmetrics class, known once built: the
+    sweep-wide check passes it to the jobs; the basic sweeper, which ignores what jobs return, is not checked."""
+    from hydra import compose, initialize_config_dir
+
+    from dlpipe.config.paths import conf_dir
+    from dlpipe.config.resolvers import register_resolvers
+    from dlpipe.config.store import register_recipes, register_schemas
+    from dlpipe.tasks.objective_check import objective_problem
+
+    register_resolvers()
+    register_schemas()
+    register_recipes()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        def problems(*overrides):
+            return objective_problem(compose("config", overrides=list(overrides), return_hydra_config=True))
+
+        mine = ["+recipe=smoke", "sweep.objective=val_acc",
+                "+metrics.acc._target_=torchmetrics.classification.MulticlassAccuracy", "+metrics.acc.num_classes=10"]
+        assert problems("hydra/sweeper=optuna", *mine) == []
+        # the same config is checked where its direction is given
+        [line] = problems("hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", "sweep.direction=min", *mine)
+        assert line.startswith("hydra.sweeper.direction=maximize: val_acc is better lower (sweep.direction=min)")
+        [line] = problems("hydra/sweeper=optuna", "+recipe=smoke", "sweep.objective=val_acc")
+        assert line.startswith("sweep.objective=val_acc: this job does not log it")
+        assert problems("+recipe=smoke", "sweep.objective=val_acc") == []  # the basic sweeper: not its business
