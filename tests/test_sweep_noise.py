@@ -166,3 +166,25 @@ def test_repeated_settings_set_the_objectives_noise():
     # equal values measure nothing, and a tie is no win
     tie = best_by([objective_job(0, [0.5]), objective_job(1, [0.5])], "val_r2", higher=True)
     assert tie.winner is None and tie.headline() == "best val_r2: indistinguishable (jobs #0 and #1 within noise)"
+
+
+def test_a_panels_own_best_is_named_only_beyond_its_noise():
+    """The chart's data wait, GPU and memory panels (sweeps.chart.panel_best): judged as the objective
+    is, against the last epoch-to-epoch change and repeated settings; data wait of a contended job is
+    only a ceiling, so no lead over it is a finding. Memory is no share of time: contention leaves it."""
+    from dlpipe.sweeps.chart import PANELS, panel_best
+
+    wait, rss = (next(p for p in PANELS if p.metric == m) for m in ("data_wait_frac", "tree_rss_peak_mb"))
+    steady = [job(0, [100.0, 100.0, 100.0], data_wait_frac=[0.5, 0.20, 0.21]),
+              job(1, [100.0, 100.0, 100.0], data_wait_frac=[0.5, 0.30, 0.30])]
+    assert panel_best(steady, wait) == [steady[0]]  # 0.09 ahead; the waits moved 0.01 at most
+    moving = [steady[0], job(1, [100.0, 100.0, 100.0], data_wait_frac=[0.5, 0.15, 0.30])]
+    assert panel_best(moving, wait) == []  # job #1's wait moved 0.15 in its last epoch: 0.09 is within it
+    tie = [job(0, [100.0], data_wait_frac=[0.2]), job(1, [100.0], data_wait_frac=[0.2])]
+    assert panel_best(tie, wait) == []
+    lost = {"run_queue_s_per_s": [1.0] * 3, "cpu_main_pct": [100.0] * 3, "cpu_others_frac": [0.6] * 3}
+    contended = [steady[0], job(1, [100.0, 100.0, 100.0], data_wait_frac=[0.5, 0.30, 0.30], **lost)]
+    assert panel_best(contended, wait) == []
+    memory = [job(0, [100.0, 100.0], tree_rss_peak_mb=[500.0, 510.0], **lost),
+              job(1, [100.0, 100.0], tree_rss_peak_mb=[900.0, 905.0])]
+    assert panel_best(memory, rss) == [memory[0]]

@@ -223,8 +223,9 @@ class SweepTracking(Callback):
         for k, v in tags.items():
             self.client.set_tag(parent, k, tag_value(v))
         self.client.set_terminated(parent, status)
-        uri, name, exp = self.look
-        print(where_to_look(uri, name, experiment_id=exp), flush=True)  # once a sweep: its jobs leave it to here
+        if self.look is not None:  # once a sweep: its jobs leave it to here
+            uri, name, exp = self.look
+            print(where_to_look(uri, name, experiment_id=exp), flush=True)
 
     def _failed_reason(self, failed: int, jobs: int) -> str:
         """What ended the sweep FAILED, as it happened: Hydra's basic sweeper runs every job of a

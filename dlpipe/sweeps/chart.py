@@ -3,9 +3,10 @@
 The samples/s and epoch time panels mark the fastest job and the objective's panel the best one
 only where the sweep's verdict names them beyond its noise (sweeps.verdict): otherwise no bar is
 green there, and the title says which jobs are indistinguishable. Each other panel's best is judged
-by that panel's direction (less data wait is better), among FINISHED jobs only: a failed or killed
-job's numbers cover a partial run. Jobs equal at the precision shown are all marked; where no
-finished job is worse than another, the panel marks none (there is nothing to choose). CPU use is
+by that panel's direction (less data wait is better), among FINISHED jobs only (a failed or killed
+job's numbers cover a partial run), and marked only beyond the sweep's noise of that metric, as
+the objective is (sweeps.noise.panel_ranking): a tie, or a lead smaller than a job's last
+epoch-to-epoch change, marks none; so does a contended job's data wait or GPU use. CPU use is
 shown but never ranked: a share of the CPU budget is neither good nor bad by itself (more CPU
 buying more samples/s is cores put to work, less CPU at fewer samples/s is cores left idle); the
 samples/s panel says which setting won.
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dlpipe.sweeps.jobs import Job, same_settings_notes
+from dlpipe.sweeps.noise import panel_ranking
 from dlpipe.sweeps.verdict import SweepVerdict, judge
 
 # Imported inside functions: matplotlib (over half a second), only when a sweep's chart is drawn at its
@@ -42,6 +44,8 @@ PANELS = [
     # the process tree: workers hold most of a loader setting's memory, the main process little of it
     Panel("peak RSS MB, process + workers (lower is better)", "tree_rss_peak_mb", 1.0, -1),
 ]
+TIMED = {"data_wait_frac", "gpu_util"}
+"""Shares of an epoch's time: a contended job's are no finding (sweeps.noise.panel_ranking)."""
 FOLLOWS = {"epoch_time_s": "samples_per_s"}
 """Panels whose winner is another's: epoch time is samples/s seen from the other side."""
 
@@ -71,20 +75,18 @@ def plot_panels(jobs: list[Job], verdict: SweepVerdict | None = None, monitored:
 
 
 def panel_best(jobs: list[Job], panel: Panel, verdict: SweepVerdict | None = None) -> list[Job]:
-    """The jobs the panel marks: the verdict's winner where it ranks the panel's metric (none when
-    no job leads beyond the noise); else the FINISHED jobs best by the panel's own direction, ties
-    (equal as shown) all best, none where every finished job is as good as the best."""
+    """The jobs the panel marks: the verdict's winner where it ranks the panel's metric, else the
+    FINISHED job best by the panel's own direction where it leads beyond the sweep's noise of that
+    metric (sweeps.noise.panel_ranking); none where no job does, or only one job has the metric."""
     marked = verdict.marked(FOLLOWS.get(panel.metric, panel.metric)) if verdict is not None else None
     if marked is not None:
         return marked if panel.better else []
-    ranked = [j for j in jobs if j.finished and panel.metric in j.metrics]
-    if not panel.better or not ranked:
+    if not panel.better:
         return []
-    top = max(ranked, key=lambda j: panel.better * j.metrics[panel.metric])
-    percent = panel.factor == 100.0
-    label = shown(top.metrics[panel.metric] * panel.factor, percent)
-    best = [j for j in ranked if shown(j.metrics[panel.metric] * panel.factor, percent) == label]
-    return [] if len(best) == len(ranked) else best
+    ranking = panel_ranking(jobs, panel.metric, panel.better > 0, timed=panel.metric in TIMED)
+    if ranking is None or len(ranking.ranked) < 2 or ranking.winner is None:
+        return []
+    return [ranking.winner]
 
 
 def describe(panels: list[Panel], bests: list[list[Job]], jobs: list[Job], verdict: SweepVerdict) -> str:

@@ -16,7 +16,8 @@ sweep's job lost 68% of its time and ran 12x slower than the same job alone). No
 a finding. Otherwise the jobs within the noise of the top, and the contended ones, are named and
 none is the fastest.
 
-The objective (a loss, an R2...) is judged the same way with an absolute noise: the largest change
+The objective (a loss, an R2...), and the chart's panels of data wait, GPU utilisation and memory,
+are judged the same way with an absolute noise: the largest change
 of the objective in the last epoch of any finished job (a loss still moving that much per epoch
 could change places with one more), and the spread between jobs that ran the same settings. Contention
 slows a job; it does not change what it learns.
@@ -193,7 +194,7 @@ def fastest(jobs: list[Job]) -> Ranking | None:
     spread = _most(epoch_spread(j.history.get(SPEED, {})) for j in ranked)
     repeat = _repeat_spread(jobs, SPEED, relative=True)
     shares, pressures = zip(*(contention_share(j) for j in ranked))
-    floors = [j for j, share in zip(ranked, shares) if share is not None and share >= RUN_QUEUE_SHARE]
+    floors = contended(ranked)
     below = _most(s for s in shares if s is not None and s < RUN_QUEUE_SHARE)
     explained = None if below is None else 1 / (1 - below) - 1
     pressure = _most(pressures)
@@ -228,3 +229,18 @@ def best_by(jobs: list[Job], metric: str, higher: bool) -> Ranking | None:
         measured.append(f"same settings up to {repeat:.4g} apart")
     noise = _most([spread, repeat]) or 0.0
     return Ranking(f"best {metric}", metric, "", higher, False, ranked, noise, measured)
+
+
+def contended(jobs: list[Job]) -> list[Job]:
+    """The jobs that lost a third or more of their runnable time to other processes in an epoch."""
+    return [j for j in jobs if (contention_share(j)[0] or 0.0) >= RUN_QUEUE_SHARE]
+
+
+def panel_ranking(jobs: list[Job], metric: str, higher: bool, timed: bool) -> Ranking | None:
+    """A chart panel's own ranking (data wait, GPU utilisation, memory): judged as the objective is, by
+    the metric's last epoch-to-epoch change and the spread of repeated settings; a `timed` metric (a
+    share of the epoch's time) of a contended job is no finding either, as for samples/s."""
+    ranking = best_by(jobs, metric, higher)
+    if ranking is not None and timed:
+        ranking.floors = contended(ranking.ranked)
+    return ranking
