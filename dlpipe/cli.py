@@ -36,6 +36,7 @@ from dlpipe.tasks.writable import check_writable, hydra_output_error
 from dlpipe.tracking.given_run import refuse_outside_training
 from dlpipe.training.distributed import (
     devices_requested,
+    export_srun_env,
     export_submitit_env,
     ranks_from_env,
     sweep_across_ranks,
@@ -245,6 +246,9 @@ def main() -> None:
         task, args = sys.argv[1], sys.argv[2:]
         sys.argv = with_overrides([sys.argv[0], *args], [f"task={task}", *help_page(task, args)])
     sys.argv = multirun_first(sys.argv)
+    # A task of a plain srun step of several tasks becomes a rank, as under torchrun, before anything
+    # reads its rank or its CPU budget (${auto_workers:} divides by the ranks on the node).
+    export_srun_env()
     refuse_a_sweep_into_one_run(sys.argv)
     restart_under_torchrun(sys.argv)
     # Before Hydra opens the sweep's folder and parent run: every rank (torchrun's, an srun step's

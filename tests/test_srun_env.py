@@ -4,6 +4,7 @@ tests/test_slurm_ranks.py runs it on a real one). The environments are those Slu
 
 import os
 import random
+import sys
 
 import pytest
 
@@ -108,9 +109,18 @@ def own_environment(monkeypatch):
         monkeypatch.setenv(key, value)
 
 
-def test_the_clis_first_look_at_its_rank_exports_them(own_environment):
-    """cli.main asks ranks_from_env() for its rank before Hydra starts: that call exports the step's
-    ranks, so everything after it (the config's worker budget, init_process_group) sees torchrun's variables."""
+def test_the_cli_exports_them_before_anything_reads_its_rank(own_environment, monkeypatch):
+    """cli.main exports the step's ranks before Hydra starts (reading a rank has no side effect), so
+    everything after it (the config's worker budget, init_process_group) sees torchrun's variables."""
+    assert ranks_from_env() == Ranks() and "WORLD_SIZE" not in os.environ
+    assert sweep_across_ranks(["loader.batch_size=16"]) is None and "WORLD_SIZE" not in os.environ
+    from dlpipe import cli
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the working directory on it
+    monkeypatch.setattr(cli, "refuse_a_sweep_into_one_run", lambda argv: sys.exit(0))  # just after the export
+    monkeypatch.setattr(sys, "argv", ["dlpipe", "loader.batch_size=16"])
+    with pytest.raises(SystemExit):
+        cli.main()
     assert ranks_from_env().rank == 1
     assert (os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"], os.environ["MASTER_ADDR"]) == ("2", "2", "vm")
     check_ranks(ranks_from_env(), False, "cpu", os.environ)  # vm resolves here: the cluster's node is this host

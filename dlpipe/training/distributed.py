@@ -16,6 +16,7 @@ from dlpipe.training.ranks import SINGLE as SINGLE
 from dlpipe.training.ranks import Ranks as Ranks
 from dlpipe.training.ranks import check_ranks as check_ranks
 from dlpipe.training.ranks import devices_requested as devices_requested
+from dlpipe.training.ranks import export_srun_env as export_srun_env
 from dlpipe.training.ranks import export_submitit_env as export_submitit_env
 from dlpipe.training.ranks import ranks_from_env as ranks_from_env
 from dlpipe.training.ranks import ranks_source

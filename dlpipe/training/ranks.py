@@ -49,13 +49,8 @@ def _int(environ: Mapping[str, str], key: str, default: int) -> int:
 
 
 def ranks_from_env(environ: Mapping[str, str] | None = None) -> Ranks:
-    """The ranks torchrun (or export_submitit_env) put in the environment; one process otherwise.
-
-    Read from the process's own environment (no `environ`), a task of a plain srun step first gets
-    its ranks exported from Slurm's variables (export_srun_env): the CLI's first look at its rank,
-    before Hydra starts, is what makes srun's tasks ranks, as torchrun's."""
-    if environ is None:
-        export_srun_env()
+    """The ranks torchrun (or export_submitit_env, or export_srun_env) put in the environment; one
+    process otherwise. A task of a plain srun step is a rank once the CLI exported its ranks."""
     env = os.environ if environ is None else environ
     world = _int(env, "WORLD_SIZE", 1)
     if world <= 1:
@@ -110,8 +105,8 @@ def sweep_across_ranks(args: list[str], environ=None) -> str | None:
     """Why `dlpipe ARGS` cannot run here, when ARGS sweep (--multirun) and this process is one of
     several ranks (torchrun's, or an srun step's tasks): for the CLI to refuse before Hydra opens
     the sweep's folder and parent run. None where it can (a submitit job runs one sweep point)."""
-    env = os.environ if environ is None else environ
-    export_srun_env(env)  # the CLI asks before anything else has looked at its ranks
+    env = dict(os.environ if environ is None else environ)
+    export_srun_env(env)  # a copy: an srun step's tasks are ranks here whether or not the CLI exported them yet
     ranks = ranks_from_env(env)
     if not {"--multirun", "-m"} & set(args) or not ranks.distributed or "SUBMITIT_EXECUTOR" in env:
         return None
