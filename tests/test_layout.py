@@ -129,7 +129,7 @@ def test_tasks_do_not_import_each_other(task):
 
 def test_only_the_cli_config_builders_and_the_sweep_callbacks_touch_hydra():
     allowed = {"dlpipe.cli", "dlpipe.tasks.build", "dlpipe.sweeps.callback", "dlpipe.tasks.objective_check",
-               "dlpipe.instantiate"}
+               "dlpipe.sweeps.slurm_check", "dlpipe.instantiate"}
     users = {name_of(p) for p in modules() if imported_from(p, "hydra")}
     assert {u for u in users if not u.startswith("dlpipe.config.")} <= allowed
 

@@ -11,7 +11,7 @@ import pytest
 
 from dlpipe.machine.slurm_partition import minutes, parse
 from dlpipe.machine.slurm_queue import accounting_state, parse_squeue, queue_states
-from dlpipe.sweeps.slurm_check import problems, remove_if_only_locked
+from dlpipe.sweeps.slurm_check import problems
 from dlpipe.sweeps.slurm_watch import RESULT_GRACE_S, Watched, lost_line, update, watch
 
 # as `scontrol show partition -o` and `scontrol show node -o` printed them on the test cluster (trimmed)
@@ -184,21 +184,6 @@ def test_the_lost_jobs_line_names_them_how_they_ended_their_logs_and_the_account
     assert lost_line([gone, a], lambda j: ("NODE_FAIL", None)) == (
         "FAILED", "job #3 (Slurm 12_3) ended NODE_FAIL without a result; its log: /sweep/.submitit/12_3/12_3_0_log.err;"
         " 1 more job ended without a result")
-
-
-def test_a_refused_sweep_removes_only_the_folder_it_made(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    made = tmp_path / "multirun" / "2026-01-01" / "10-00-00"
-    made.mkdir(parents=True)
-    (made / ".dlpipe.lock").write_text("{}")
-    remove_if_only_locked(made)
-    assert list(tmp_path.iterdir()) == []  # with the clock-named parents it left empty
-    earlier = tmp_path / "sweep"
-    earlier.mkdir()
-    (earlier / ".dlpipe.lock").write_text("{}")
-    (earlier / "multirun.yaml").write_text("{}")
-    remove_if_only_locked(earlier)
-    assert sorted(p.name for p in earlier.iterdir()) == [".dlpipe.lock", "multirun.yaml"]
 
 
 def test_where_slurmctld_cannot_be_asked_the_sweep_is_submitted_with_one_warning(tmp_path, caplog):

@@ -33,7 +33,6 @@ from dlpipe.machine.disk import unwritable
 from dlpipe.redact import redact_overrides, without_password
 from dlpipe.stop import STOP_SIGNALS, hold_or_raise, stop_error
 from dlpipe.sweeps.jobs import JOB_NUM_TAG
-from dlpipe.sweeps.slurm_check import refuse_what_cannot_start
 from dlpipe.sweeps.summary import summarise, tag_value
 from dlpipe.sweeps.verdict import VERDICT_TAGS
 from dlpipe.tracking.abandoned import END_REASON_TAG, FOLDER_TAGS, Owner, close_previous, read_marker, write_marker
@@ -83,7 +82,6 @@ class SweepTracking(Callback):
         return {**self.__dict__, "client": None, "_previous_handlers": {}}
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        refuse_what_cannot_start(config)  # before the parent run: a job that could never start ends it here
         tracking = OmegaConf.to_container(config.tracking, resolve=True)
         if not tracking["enabled"]:
             return

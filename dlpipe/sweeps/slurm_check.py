@@ -7,18 +7,17 @@ slurmctld describes (machine.slurm_partition): one line per key to change, namin
 the partition allows, and the process ends as for any bad input. Where slurmctld cannot be asked
 (no scontrol, no answer) the sweep is submitted as before, with one warning.
 
-Runs from the sweep's callback (sweeps.callback), after OutputFolders has claimed and locked the
-sweep's folder: a refused sweep removes that folder again when it holds nothing but the lock.
+A Hydra callback of its own (SlurmCheck), listed before OutputFolders claims the sweep's folder and
+SweepTracking opens its parent run: a refused sweep leaves nothing behind.
 """
 
 import logging
 import math
 import sys
-from pathlib import Path
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from dlpipe.config.output_folder import LOCK_FILE, remove_empty_parents
 from dlpipe.machine.slurm_partition import Partition, read_partitions
 
 log = logging.getLogger("dlpipe")
@@ -87,16 +86,9 @@ def refuse_what_cannot_start(config: DictConfig, read=read_partitions) -> None:
         return
     for line in found:
         print(f"dlpipe: error: {line}", file=sys.stderr)
-    remove_if_only_locked(Path(str(config.hydra.sweep.dir)))
     sys.exit(2)  # an exception in a Hydra callback would be only a warning
 
 
-def remove_if_only_locked(folder: Path) -> None:
-    """Remove the sweep folder OutputFolders made and locked, with its empty parents up to the working
-    directory, when nothing else is in it (a folder of an earlier sweep keeps what it holds)."""
-    folder, cwd = folder.absolute(), Path.cwd().absolute()
-    if not folder.is_dir() or {p.name for p in folder.iterdir()} - {LOCK_FILE}:
-        return
-    (folder / LOCK_FILE).unlink(missing_ok=True)
-    folder.rmdir()
-    remove_empty_parents(folder, cwd)
+class SlurmCheck(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        refuse_what_cannot_start(config)
