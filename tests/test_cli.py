@@ -104,7 +104,7 @@ def test_multirun_makes_parent_with_child_runs(dlpipe, mlflow_store, mlflow_clie
     assert len(children) == 2 and len(runs) == 3
     assert sorted(c.data.params["loader.num_workers"] for c in children) == ["0", "1"]
     # short names that say what differs, as the UI's run list shows them
-    assert parent.info.run_name == "sweep smoke: num_workers=0,1"
+    assert parent.info.run_name == "num_workers=0,1 (sweep smoke)"
     assert sorted(c.info.run_name for c in children) == ["0", "1"]  # values only: the parent names the keys
     assert all(c.info.status == "FINISHED" for c in children)
     assert parent.info.status == "FINISHED"

@@ -44,7 +44,7 @@ def test_run_names_say_what_differs_in_a_few_characters():
     # a sweep's job: its values only, in the parent's order (the parent's name names the keys)
     assert job_name("smoke", job, swept) == "2 true mlp"
     assert sweep_name("smoke", ["loader.num_workers=0,2", "+loader.pin_memory=true,false", "model=cnn,mlp"],
-                      swept) == "sweep smoke: num_workers=0,2 pin_memory=true,false model=cnn,mlp"
+                      swept) == "num_workers=0,2 pin_memory=true,false model=cnn,mlp (sweep smoke)"
     # a run of its own: recipe and overrides, less the noise; keys that end alike stay whole; secrets masked
     assert job_name("vision", ["trainer.epochs=3", "model.width=8", "dataset.width=8", "trainer.progress=false",
                                "tracking.uri=http://u:pw@host", "+dataset.api_key=SECRET"]) == \
@@ -70,7 +70,8 @@ def test_run_names_hold_no_class_paths_and_no_long_floats():
     assert "torchmetrics" not in job_name("bert", ["+metrics.acc={_target_:torchmetrics.Accuracy,num_classes:3}"])
     swept = ["metrics.acc._target_", "optim.lr"]
     assert sweep_name("bert", ["metrics.acc._target_=a.b.F1Score,a.b.Accuracy", "optim.lr=0.1,0.01"], swept) == \
-        "sweep bert: acc=F1Score,Accuracy lr=0.1,0.01"
+        "acc=F1Score,Accuracy lr=0.1,0.01 (sweep bert)"
+    assert sweep_name("bert", ["hydra.sweeper.n_trials=3"], []) == "sweep bert"  # nothing swept on the command line
     # a value sampled by a search (Hydra's Optuna sweeper) is shown to 4 significant digits; ints as given
     assert job_name("bert", ["metrics.acc._target_=a.b.F1Score", "optim.lr=0.0031622776601683794"], swept) == \
         "F1Score 0.003162"

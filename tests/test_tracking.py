@@ -113,7 +113,7 @@ def test_a_sweep_reads_at_a_glance_in_what_the_ui_shows(dlpipe, mlflow_server):
     tags = {run["info"]["run_id"]: {t["key"]: t["value"] for t in run["data"]["tags"]} for run in runs}
     [parent] = [run for run in runs if tags[run["info"]["run_id"]].get("dlpipe.role") == "sweep"]
     children = [run for run in runs if run is not parent]
-    assert parent["info"]["run_name"] == "sweep smoke: num_workers=0,1 batch_size=16,32"
+    assert parent["info"]["run_name"] == "num_workers=0,1 batch_size=16,32 (sweep smoke)"
     assert sorted(c["info"]["run_name"] for c in children) == ["0 16", "0 32", "1 16", "1 32"]
     assert {tags[c["info"]["run_id"]]["mlflow.parentRunId"] for c in children} == {parent["info"]["run_id"]}
     assert all(tags[run["info"]["run_id"]]["mlflow.source.name"] == "dlpipe" for run in runs)  # the UI's Source

@@ -1,7 +1,7 @@
 """Run names that say what differs, short enough for the MLflow UI's run list, whose name column
 (190 px at first in MLflow 3) shows about 18 characters, fewer for a sweep's nested rows.
 
-A sweep's parent names what was swept (`sweep smoke: num_workers=0,2 pin_memory=false,true`), so
+A sweep's parent names what was swept first (`num_workers=0,2 pin_memory=false,true (sweep smoke)`), so
 its jobs are named by their values only, in the parent's order (`2 false`); a single run by its
 recipe and overrides (`vision epochs=3 num_workers=8`). A key is shown by its last part unless two
 shown keys share it. Where dlpipe ran another value than the one asked for (the job's params hold
@@ -69,9 +69,11 @@ def job_name(recipe: str | None, overrides: list[str], swept: list[str] | None =
 
 
 def sweep_name(recipe: str | None, overrides: list[str], swept: list[str]) -> str:
-    """`sweep smoke: num_workers=0,2`: the parent of a sweep over `swept` keys."""
+    """`num_workers=0,2 (sweep smoke)`: the parent of a sweep over `swept` keys, what it swept first
+    (the run list shows about 18 characters of a name: a common prefix would fill them)."""
     shown = short([o for o in overrides if override_key(o) in swept])
-    return redact_text(f"sweep {recipe or 'dlpipe'}" + (": " + " ".join(shown) if shown else ""))
+    what = f"sweep {recipe or 'dlpipe'}"
+    return redact_text(f"{' '.join(shown)} ({what})" if shown else what)
 
 
 def swept_keys_of_parent() -> list[str] | None:
