@@ -11,7 +11,8 @@ every job running, unwatched, while the parent run ended. Here:
 
 - sbatch's refusal is one line (`SweepEnded`), and the parent run ends FAILED saying no job ran;
 - the jobs are watched by their result files and slurmctld (sweeps.slurm_watch): jobs that ended
-  without a result end the sweep with one line naming them, how they ended and their logs;
+  without a result end the sweep with one line naming them, how they ended and their logs, and jobs
+  waiting in the queue are said to wait, with squeue's reason;
 - a stop signal to the submitter cancels the sweep's unfinished jobs (each checkpoints on Slurm's
   SIGTERM and ends its run KILLED; the same command in the same hydra.sweep.dir resumes them): a
   sweep nobody watches would end its parent before its jobs, and its summary would never be written.
@@ -68,7 +69,8 @@ class SlurmLauncher(_HYDRAS):
             watched = [Watched(initial_job_idx + i, j.job_id, j.paths.stderr, j.paths.result_pickle.exists)
                        for i, j in enumerate(jobs)]
             lost = watch(watched, warn=lambda why: log.warning(
-                "slurmctld does not answer (%s): judging the jobs by their results and sacct", why))
+                "slurmctld does not answer (%s): judging the jobs by their results and sacct", why),
+                tell=log.warning)
         except (Terminated, KeyboardInterrupt) as e:
             raise self._interrupted(e, jobs, sweep_dir) from None
         finally:

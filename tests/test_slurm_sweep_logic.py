@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from dlpipe.machine.slurm_partition import minutes, parse
-from dlpipe.machine.slurm_queue import accounting_state, parse_squeue, queue_states
+from dlpipe.machine.slurm_queue import Listed, accounting_state, parse_squeue, queue_states
 from dlpipe.sweeps.slurm_check import problems
-from dlpipe.sweeps.slurm_watch import RESULT_GRACE_S, Watched, lost_line, update, watch
+from dlpipe.sweeps.slurm_watch import PENDING_SAY_S, RESULT_GRACE_S, Watched, lost_line, update, waiting_line, watch
 
 # as `scontrol show partition -o` and `scontrol show node -o` printed them on the test cluster (trimmed)
 PARTITIONS = """\
@@ -106,8 +106,10 @@ def slurm_on_path(tmp_path, monkeypatch):
 
 
 def test_squeue_answers_read(slurm_on_path):
-    assert parse_squeue("12_0|RUNNING\n12_1|CANCELLED by 0\n") == {"12_0": "RUNNING", "12_1": "CANCELLED"}
-    assert queue_states(["12_0"], run=done(0, "12_0|PENDING\n")) == {"12_0": "PENDING"}
+    assert parse_squeue("12_0|RUNNING|None\n12_1|CANCELLED by 0|None\n") == {
+        "12_0": Listed("RUNNING"), "12_1": Listed("CANCELLED")}
+    assert queue_states(["12_0"], run=done(0, "12_0|PENDING|ReqNodeNotAvail, UnavailableNodes:vm\n")) == {
+        "12_0": Listed("PENDING", "ReqNodeNotAvail, UnavailableNodes:vm")}
     # none of the ids is known any more: squeue exits 1 saying so (measured), which is "none listed"
     assert queue_states(["12_0"], run=done(1, stderr="slurm_load_jobs error: Invalid job id specified\n")) == {}
     assert queue_states(["12_0"], run=done(1, stderr="squeue: error: Unable to contact slurm controller\n")) == (
@@ -128,10 +130,10 @@ def job(num: int, result: bool = False) -> Watched:
 
 def test_a_job_is_lost_only_after_the_grace_without_a_result():
     j = job(0)
-    update(j, {"12_0": "RUNNING"}, now=0)
+    update(j, {"12_0": Listed("RUNNING")}, now=0)
     assert (j.gone_since, j.lost) == (None, None)
-    update(j, {"12_0": "PREEMPTED"}, now=10)  # requeued by Slurm: it goes back to PENDING within the grace
-    update(j, {"12_0": "PENDING"}, now=12)
+    update(j, {"12_0": Listed("PREEMPTED")}, now=10)  # requeued by Slurm: it goes back to PENDING within the grace
+    update(j, {"12_0": Listed("PENDING", "BeginTime")}, now=12)
     assert (j.gone_since, j.lost) == (None, None)
     update(j, {}, now=20)  # no longer listed
     update(j, {}, now=20 + RESULT_GRACE_S - 1)
@@ -158,7 +160,7 @@ class Clock:
 def test_watch_ends_when_every_job_has_a_result_or_is_lost_and_falls_back_to_accounting():
     clock = Clock()
     jobs = [job(0, result=True), job(1)]
-    lost = watch(jobs, queue=lambda ids: {"12_1": "CANCELLED"}, accounting=lambda j: (None, "x"), clock=clock,
+    lost = watch(jobs, queue=lambda ids: {"12_1": Listed("CANCELLED")}, accounting=lambda j: (None, "x"), clock=clock,
                  sleep=clock.sleep)
     assert lost == [jobs[1]] and RESULT_GRACE_S <= clock.now <= RESULT_GRACE_S + 6
     warned = []
@@ -167,6 +169,36 @@ def test_watch_ends_when_every_job_has_a_result_or_is_lost_and_falls_back_to_acc
     lost = watch([job(2)], queue=lambda ids: "squeue exited 1", accounting=lambda j: ("FAILED", None),
                  clock=clock, sleep=clock.sleep, warn=warned.append)
     assert [j.lost for j in lost] == ["FAILED"] and warned == ["squeue exited 1"]
+
+
+def test_a_job_waiting_in_the_queue_is_said_to_wait_with_squeues_reason():
+    """A reason that needs a person at once; the queue's own pace after PENDING_SAY_S; each reason
+    once a job, again when it changes; nothing for a job just submitted."""
+    a, b, c = job(0), job(1), job(2)
+    listed = {"12_0": Listed("PENDING", "PartitionDown"), "12_1": Listed("PENDING", "PartitionDown"),
+              "12_2": Listed("PENDING", "Resources")}
+    for j in (a, b, c):
+        update(j, listed, now=0)
+    assert waiting_line([a, b, c], now=0) == ("jobs #0, #1 (Slurm 12_0, 12_1) are waiting in the queue (0 s so far): "
+                                              "PartitionDown (squeue's reason)")
+    assert waiting_line([a, b, c], now=5) is None  # said once
+    for j in (a, b, c):
+        update(j, listed, now=PENDING_SAY_S)
+    assert waiting_line([a, b, c], now=PENDING_SAY_S) == (
+        f"job #2 (Slurm 12_2) is waiting in the queue ({PENDING_SAY_S:.0f} s so far): Resources (squeue's reason)")
+    update(a, {"12_0": Listed("PENDING", "QOSMaxCpuPerUserLimit")}, now=70)
+    update(b, {"12_1": Listed("RUNNING")}, now=70)
+    assert waiting_line([a, b, c], now=70) == ("job #0 (Slurm 12_0) is waiting in the queue (70 s so far): "
+                                               "QOSMaxCpuPerUserLimit (squeue's reason)")
+    fresh = job(3)
+    update(fresh, {"12_3": Listed("PENDING")}, now=0)  # just submitted: squeue's reason is None
+    assert waiting_line([fresh], now=PENDING_SAY_S * 2) is None
+    said = []
+    clock = Clock()
+    watch([job(4, result=False)], queue=lambda ids: {"12_4": Listed("PENDING", "PartitionDown")} if clock.now < 10
+          else {"12_4": Listed("COMPLETED")}, accounting=lambda j: (None, None), clock=clock, sleep=clock.sleep,
+          tell=said.append)
+    assert said == ["job #4 (Slurm 12_4) is waiting in the queue (0 s so far): PartitionDown (squeue's reason)"]
 
 
 def test_the_lost_jobs_line_names_them_how_they_ended_their_logs_and_the_accounting():

@@ -188,3 +188,33 @@ def test_sigterm_to_the_submitter_cancels_its_jobs_and_ends_the_parent_killed(re
     assert (parent.info.status, parent.data.tags["dlpipe.end_reason"]) == ("KILLED", line)
     assert (child.info.status, child.data.tags["dlpipe.end_reason"]) == ("KILLED", "terminated (SIGTERM)")
     assert (tmp_path / "sweep" / "0" / "checkpoints" / "epoch-0002.pt").is_file()  # what resumes it
+
+
+def test_a_job_waiting_in_a_down_partition_is_said_to_wait_and_cancelled_at_a_stop(slurm, sweep, tmp_path):
+    """A DOWN partition takes the job and keeps it PENDING (Slurm 22.05, measured): the submitter says so
+    at once, with squeue's reason, instead of waiting without a word; SIGTERM still cancels it."""
+    import threading
+
+    name = f"down{os.getpid()}"
+    slurm.run("scontrol", "create", f"PartitionName={name}", f"Nodes={slurm.host}", "State=DOWN")
+    try:
+        proc = sweep(*TABULAR, f"hydra.launcher.partition={name}")
+        said: list[str] = []  # the submitter's log, on stdout (Hydra's console handler)
+        reader = threading.Thread(target=lambda: said.extend(proc.stdout), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 90
+        while not any("PartitionDown" in line for line in said):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(said)[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code, err = proc.wait(timeout=60), proc.stderr.read()
+        reader.join(timeout=10)
+    finally:
+        slurm.run("scancel", "--partition", name, check=False)
+        slurm.run("scontrol", "delete", f"PartitionName={name}", check=False)
+    [job] = [p.name for p in (tmp_path / "sweep" / ".submitit").iterdir() if re.fullmatch(r"\d+", p.name)]
+    [waiting] = [line for line in said if "waiting in the queue" in line]
+    assert re.search(rf"job #0 \(Slurm {job}\) is waiting in the queue \(\d+ s so far\): PartitionDown "
+                     r"\(squeue's reason\)$", waiting.rstrip()), waiting
+    assert code == 143 and err.startswith(
+        f"dlpipe: error: terminated (SIGTERM): cancelled the sweep's 1 unfinished Slurm job ({job})"), err

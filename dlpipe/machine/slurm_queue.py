@@ -12,6 +12,7 @@ A leaf module: nothing read at import.
 """
 
 import subprocess
+from typing import NamedTuple
 
 from dlpipe.machine.slurm import command, last_line
 
@@ -22,20 +23,29 @@ under submitit's requeue go back to PENDING)."""
 FORGOTTEN = "Invalid job id specified"
 
 
-def parse_squeue(text: str) -> dict[str, str]:
-    """`squeue -h -o %i|%T` as {job id: state}."""
-    states = {}
+class Listed(NamedTuple):
+    """A job as squeue lists it: its state, and why it waits (`Resources`, `PartitionDown`...;
+    `None`, Slurm's word, where it does not)."""
+
+    state: str
+    reason: str = "None"
+
+
+def parse_squeue(text: str) -> dict[str, Listed]:
+    """`squeue -h -o %i|%T|%r` as {job id: Listed}."""
+    listed = {}
     for line in text.splitlines():
-        job, _, state = line.strip().partition("|")
+        job, _, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
         if job and state:
-            states[job] = state.split()[0]
-    return states
+            listed[job] = Listed(state.split()[0], reason.strip() or "None")
+    return listed
 
 
-def queue_states(job_ids: list[str], run=subprocess.run) -> dict[str, str] | str:
-    """{job id: state} for every job of `job_ids` slurmctld still knows (an array's tasks by
+def queue_states(job_ids: list[str], run=subprocess.run) -> dict[str, Listed] | str:
+    """{job id: Listed} for every job of `job_ids` slurmctld still knows (an array's tasks by
     ARRAY_TASK ids); a job it forgot is absent. A string says why squeue did not answer."""
-    r = command(["squeue", "-h", "-t", "all", "-r", "-j", ",".join(job_ids), "-o", "%i|%T"], run)
+    r = command(["squeue", "-h", "-t", "all", "-r", "-j", ",".join(job_ids), "-o", "%i|%T|%r"], run)
     if isinstance(r, str):
         return r
     if r.returncode != 0:

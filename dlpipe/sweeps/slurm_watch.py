@@ -6,6 +6,11 @@ asked too (machine.slurm_queue): a job that slurmctld lists as ended, or no long
 that still has no result after RESULT_GRACE_S (its result is written before its process exits; the
 grace covers a slow shared filesystem and a PREEMPTED or TIMEOUT job going back to PENDING) has ended
 without one, and says how in one line.
+
+A job that waits in the queue is said to wait, with squeue's reason, so that a sweep never waits
+without a word: at once for a reason that needs a person (`PartitionDown`, a QOS or account limit,
+`ReqNodeNotAvail`...), after PENDING_SAY_S for the queue's own pace (`Resources`, `Priority`), and
+again only when the reason changes.
 """
 
 import time
@@ -13,9 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlpipe.machine.slurm_queue import ENDED, accounting_state, queue_states
+from dlpipe.machine.slurm_queue import ENDED, Listed, accounting_state, queue_states
 
 RESULT_GRACE_S = 15.0
+PENDING_SAY_S = 60.0
+QUEUE_PACE = frozenset({"None", "Priority", "Resources", "BeginTime", "Dependency"})
+"""squeue's reasons for a wait that ends by itself: a busy cluster, a requeued job's start delay."""
 QUEUE_EVERY_S = 5.0  # squeue costs slurmctld one RPC for the whole sweep
 CANCELLED = "cancelled: scancel"  # Slurm's own ends (time limit, preemption) have states of their own
 
@@ -29,6 +37,9 @@ class Watched:
     log: Path
     has_result: Callable[[], bool]
     state: str | None = None  # slurmctld's last word (None: not listed, or not asked yet)
+    reason: str | None = None  # why it waits, as squeue says (PENDING only)
+    pending_since: float | None = None
+    told: str | None = None  # the reason last said of its wait
     gone_since: float | None = None  # when it was first seen ended or unlisted without a result
     lost: str | None = None  # how it ended without a result, once decided
 
@@ -36,10 +47,14 @@ class Watched:
         return f"#{self.num} (Slurm {self.job_id})"
 
 
-def update(job: Watched, states: dict[str, str], now: float) -> None:
-    """Take slurmctld's answer (states of the jobs it still knows) into `job`; mark it lost once it has
-    been ended or unlisted for RESULT_GRACE_S with no result."""
-    job.state = states.get(job.job_id)
+def update(job: Watched, states: dict[str, Listed], now: float) -> None:
+    """Take slurmctld's answer (the jobs it still knows) into `job`; mark it lost once it has been
+    ended or unlisted for RESULT_GRACE_S with no result."""
+    listed = states.get(job.job_id)
+    job.state = listed.state if listed else None
+    pending = job.state == "PENDING"
+    job.reason = listed.reason if pending else None
+    job.pending_since = (now if job.pending_since is None else job.pending_since) if pending else None
     if job.has_result() or (job.state is not None and job.state not in ENDED):
         job.gone_since = None
         return
@@ -83,10 +98,31 @@ def lost_line(jobs: list[Watched], accounting=accounting_state) -> tuple[str, st
     return status, line
 
 
+def waiting_line(jobs: list[Watched], now: float) -> str | None:
+    """One line for the jobs whose wait is news: a reason that needs a person, or the queue's own
+    pace for PENDING_SAY_S; None where there is none. Each reason is said once a job."""
+    due = [j for j in jobs if j.reason is not None and j.reason != j.told
+           and (j.reason not in QUEUE_PACE or now - j.pending_since >= PENDING_SAY_S)]
+    due = [j for j in due if j.reason != "None"]  # just submitted: nothing to say yet
+    if not due:
+        return None
+    parts = []
+    for reason in dict.fromkeys(j.reason for j in due):
+        same = [j for j in due if j.reason == reason]
+        for j in same:
+            j.told = reason
+        waited = now - min(j.pending_since for j in same)
+        who = (f"job {same[0].named()} is" if len(same) == 1 else
+               f"jobs {', '.join(f'#{j.num}' for j in same)} (Slurm {', '.join(j.job_id for j in same)}) are")
+        parts.append(f"{who} waiting in the queue ({waited:.0f} s so far): {reason} (squeue's reason)")
+    return "; ".join(parts)
+
+
 def watch(jobs: list[Watched], queue=queue_states, accounting=accounting_state, clock=time.monotonic,
-          sleep=time.sleep, warn=lambda why: None) -> list[Watched]:
+          sleep=time.sleep, warn=lambda why: None, tell=lambda line: None) -> list[Watched]:
     """Wait until every job has a result or is lost; the lost ones. `warn(why)` is told once when
-    slurmctld does not answer: the jobs are then judged by their result files and Slurm's accounting."""
+    slurmctld does not answer: the jobs are then judged by their result files and Slurm's accounting.
+    `tell(line)` is told why jobs wait in the queue (waiting_line)."""
     warned = False
     last_asked = float("-inf")
     while True:
@@ -102,8 +138,11 @@ def watch(jobs: list[Watched], queue=queue_states, accounting=accounting_state, 
                     warn(states)
                     warned = True
                 told = {j.job_id: accounting(j.job_id)[0] for j in open_jobs}
-                states = {job: state for job, state in told.items() if state is not None}
+                states = {job: Listed(state) for job, state in told.items() if state is not None}
                 open_jobs = [j for j in open_jobs if j.job_id in states]
             for job in open_jobs:
                 update(job, states, now)
+            line = waiting_line(open_jobs, now)
+            if line:
+                tell(line)
         sleep(1.0)
