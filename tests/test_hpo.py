@@ -82,6 +82,7 @@ def test_the_search_check_leaves_what_only_a_built_job_knows_to_the_jobs():
     """A metric of the user's own has its direction from its torchmetrics class, known once built: the
     sweep-wide check passes it to the jobs; the basic sweeper, which ignores what jobs return, is not checked."""
     from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
 
     from dlpipe.config.paths import conf_dir
     from dlpipe.config.resolvers import register_resolvers
@@ -103,4 +104,16 @@ def test_the_search_check_leaves_what_only_a_built_job_knows_to_the_jobs():
         assert line.startswith("hydra.sweeper.direction=maximize: val_acc is better lower (sweep.direction=min)")
         [line] = problems("hydra/sweeper=optuna", "+recipe=smoke", "sweep.objective=val_acc")
         assert line.startswith("sweep.objective=val_acc: this job does not log it")
+        # a search over a key the objective depends on: the defaults say nothing of what the trials log
+        r2 = ["hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", "+recipe=smoke", "sweep.objective=val_r2"]
+        [line] = problems(*r2)
+        assert line.startswith("sweep.objective=val_r2: this job does not log it")
+        searched = compose("config", overrides=r2, return_hydra_config=True)
+        with open_dict(searched):
+            searched.hydra.overrides.task.append("loss=choice(mse,l1)")
+        assert objective_problem(searched) == []
+        in_params = compose("config", overrides=r2, return_hydra_config=True)
+        with open_dict(in_params):
+            in_params.hydra.sweeper.params = {"loss": "choice(mse,l1)", "optim.lr": "interval(0.001,0.1)"}
+        assert objective_problem(in_params) == []
         assert problems("+recipe=smoke", "sweep.objective=val_acc") == []  # the basic sweeper: not its business

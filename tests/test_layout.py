@@ -190,3 +190,14 @@ def test_imports_inside_functions_say_why_once_per_module():
     assert sorted(m for m, n in said.items() if n and m not in inside) == [], (
         f"no import inside a function left: drop the `{EXPLAINED}` line")
     assert sorted(m for m, n in said.items() if n > 1) == [], f"one `{EXPLAINED}` line per module"
+
+
+def test_the_sweep_checks_run_before_the_folder_and_the_parent_run_are_made():
+    """Hydra calls the callbacks in conf/config.yaml's order: a check that refuses a sweep must come
+    before OutputFolders claims its folder and SweepTracking opens its parent run, or it leaves them."""
+    import yaml
+
+    order = list(yaml.safe_load((PACKAGE.parent / "conf" / "config.yaml").read_text())["hydra"]["callbacks"])
+    checks = ["sweep_check", "objective_check", "slurm_check"]
+    assert set(checks) <= set(order)
+    assert max(order.index(c) for c in checks) < order.index("output_folder") < order.index("sweep_tracking")

@@ -190,6 +190,14 @@ def test_a_job_waiting_in_the_queue_is_said_to_wait_with_squeues_reason():
     update(b, {"12_1": Listed("RUNNING")}, now=70)
     assert waiting_line([a, b, c], now=70) == ("job #0 (Slurm 12_0) is waiting in the queue (70 s so far): "
                                                "QOSMaxCpuPerUserLimit (squeue's reason)")
+    update(c, {"12_2": Listed("PENDING", "Priority")}, now=80)  # a busy queue's reasons take turns: said once
+    assert waiting_line([c], now=80) is None
+    update(c, {"12_2": Listed("RUNNING")}, now=90)
+    update(c, {"12_2": Listed("PENDING", "Resources")}, now=100)  # requeued, waiting again: news after a while
+    assert waiting_line([c], now=100) is None
+    update(c, {"12_2": Listed("PENDING", "Resources")}, now=100 + PENDING_SAY_S)
+    assert waiting_line([c], now=100 + PENDING_SAY_S) == (
+        f"job #2 (Slurm 12_2) is waiting in the queue ({PENDING_SAY_S:.0f} s so far): Resources (squeue's reason)")
     fresh = job(3)
     update(fresh, {"12_3": Listed("PENDING")}, now=0)  # just submitted: squeue's reason is None
     assert waiting_line([fresh], now=PENDING_SAY_S * 2) is None

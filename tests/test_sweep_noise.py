@@ -182,9 +182,18 @@ def test_a_panels_own_best_is_named_only_beyond_its_noise():
     assert panel_best(moving, wait) == []  # job #1's wait moved 0.15 in its last epoch: 0.09 is within it
     tie = [job(0, [100.0], data_wait_frac=[0.2]), job(1, [100.0], data_wait_frac=[0.2])]
     assert panel_best(tie, wait) == []
+    as_shown = [job(0, [100.0], data_wait_frac=[0.2001]), job(1, [100.0], data_wait_frac=[0.2000])]
+    assert panel_best(as_shown, wait) == []  # both bars read 20.0%: a lead nobody can see is none
     lost = {"run_queue_s_per_s": [1.0] * 3, "cpu_main_pct": [100.0] * 3, "cpu_others_frac": [0.6] * 3}
     contended = [steady[0], job(1, [100.0, 100.0, 100.0], data_wait_frac=[0.5, 0.30, 0.30], **lost)]
     assert panel_best(contended, wait) == []
+    gpu = next(p for p in PANELS if p.metric == "gpu_util")
+    starved = [job(0, [100.0, 100.0, 100.0], gpu_util=[90.0, 90.0, 90.0], **lost),
+               job(1, [100.0, 100.0, 100.0], gpu_util=[60.0, 60.0, 60.0])]
+    assert panel_best(starved, gpu) == [starved[0]]  # its GPU use is a floor: starved, it still leads
+    assert panel_best(starved[::-1], gpu) == [starved[0]]
+    behind = [job(0, [100.0] * 3, gpu_util=[50.0] * 3, **lost), job(1, [100.0] * 3, gpu_util=[60.0] * 3)]
+    assert panel_best(behind, gpu) == []  # a lead over a starved job's floor is no finding
     memory = [job(0, [100.0, 100.0], tree_rss_peak_mb=[500.0, 510.0], **lost),
               job(1, [100.0, 100.0], tree_rss_peak_mb=[900.0, 905.0])]
     assert panel_best(memory, rss) == [memory[0]]

@@ -222,7 +222,7 @@ class SweepTracking(Callback):
             self.client.set_tag(parent, k, tag_value(v))
         self.client.set_terminated(parent, status)
         if self.look is not None:  # once a sweep: its jobs leave it to here
-            uri, name, exp = self.look
+            (uri, name, exp), self.look = self.look, None
             print(where_to_look(uri, name, experiment_id=exp), flush=True)
 
     def _failed_reason(self, failed: int, jobs: int) -> str:

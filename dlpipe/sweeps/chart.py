@@ -5,8 +5,9 @@ only where the sweep's verdict names them beyond its noise (sweeps.verdict): oth
 green there, and the title says which jobs are indistinguishable. Each other panel's best is judged
 by that panel's direction (less data wait is better), among FINISHED jobs only (a failed or killed
 job's numbers cover a partial run), and marked only beyond the sweep's noise of that metric, as
-the objective is (sweeps.noise.panel_ranking): a tie, or a lead smaller than a job's last
-epoch-to-epoch change, marks none; so does a contended job's data wait or GPU use. CPU use is
+the objective is (sweeps.noise.panel_ranking): values equal as shown, or a lead smaller than a
+job's last epoch-to-epoch change, mark none, and no lead over a contended job's data wait or GPU use
+is a finding. CPU use is
 shown but never ranked: a share of the CPU budget is neither good nor bad by itself (more CPU
 buying more samples/s is cores put to work, less CPU at fewer samples/s is cores left idle); the
 samples/s panel says which setting won.
@@ -77,7 +78,8 @@ def plot_panels(jobs: list[Job], verdict: SweepVerdict | None = None, monitored:
 def panel_best(jobs: list[Job], panel: Panel, verdict: SweepVerdict | None = None) -> list[Job]:
     """The jobs the panel marks: the verdict's winner where it ranks the panel's metric, else the
     FINISHED job best by the panel's own direction where it leads beyond the sweep's noise of that
-    metric (sweeps.noise.panel_ranking); none where no job does, or only one job has the metric."""
+    metric (sweeps.noise.panel_ranking) and as shown; none where no job does, or only one job has the
+    metric."""
     marked = verdict.marked(FOLLOWS.get(panel.metric, panel.metric)) if verdict is not None else None
     if marked is not None:
         return marked if panel.better else []
@@ -86,7 +88,8 @@ def panel_best(jobs: list[Job], panel: Panel, verdict: SweepVerdict | None = Non
     ranking = panel_ranking(jobs, panel.metric, panel.better > 0, timed=panel.metric in TIMED)
     if ranking is None or len(ranking.ranked) < 2 or ranking.winner is None:
         return []
-    return [ranking.winner]
+    top, second = (shown(j.metrics[panel.metric] * panel.factor, panel.factor == 100.0) for j in ranking.ranked[:2])
+    return [] if top == second else [ranking.winner]  # a lead the bars cannot show is none
 
 
 def describe(panels: list[Panel], bests: list[list[Job]], jobs: list[Job], verdict: SweepVerdict) -> str:

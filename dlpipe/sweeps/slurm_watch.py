@@ -10,7 +10,8 @@ without one, and says how in one line.
 A job that waits in the queue is said to wait, with squeue's reason, so that a sweep never waits
 without a word: at once for a reason that needs a person (`PartitionDown`, a QOS or account limit,
 `ReqNodeNotAvail`...), after PENDING_SAY_S for the queue's own pace (`Resources`, `Priority`), and
-again only when the reason changes.
+again only when it changes between those kinds or to another reason that needs a person (a busy
+queue's `Priority` and `Resources` take turns: said once); a job that ran and waits again is new.
 """
 
 import time
@@ -39,7 +40,7 @@ class Watched:
     state: str | None = None  # slurmctld's last word (None: not listed, or not asked yet)
     reason: str | None = None  # why it waits, as squeue says (PENDING only)
     pending_since: float | None = None
-    told: str | None = None  # the reason last said of its wait
+    told: str | None = None  # what was last said of its wait (its reason, or QUEUE_PACE's for the queue's pace)
     gone_since: float | None = None  # when it was first seen ended or unlisted without a result
     lost: str | None = None  # how it ended without a result, once decided
 
@@ -55,6 +56,8 @@ def update(job: Watched, states: dict[str, Listed], now: float) -> None:
     pending = job.state == "PENDING"
     job.reason = listed.reason if pending else None
     job.pending_since = (now if job.pending_since is None else job.pending_since) if pending else None
+    if not pending:
+        job.told = None  # requeued, it may wait again: that is news
     if job.has_result() or (job.state is not None and job.state not in ENDED):
         job.gone_since = None
         return
@@ -100,22 +103,27 @@ def lost_line(jobs: list[Watched], accounting=accounting_state) -> tuple[str, st
 
 def waiting_line(jobs: list[Watched], now: float) -> str | None:
     """One line for the jobs whose wait is news: a reason that needs a person, or the queue's own
-    pace for PENDING_SAY_S; None where there is none. Each reason is said once a job."""
-    due = [j for j in jobs if j.reason is not None and j.reason != j.told
-           and (j.reason not in QUEUE_PACE or now - j.pending_since >= PENDING_SAY_S)]
-    due = [j for j in due if j.reason != "None"]  # just submitted: nothing to say yet
+    pace for PENDING_SAY_S; None where there is none. Said once a job for each reason that needs a
+    person, once for the queue's pace however its reasons alternate."""
+    due = [j for j in jobs if j.reason not in (None, "None")  # "None": just submitted, nothing to say yet
+           and _kind(j.reason) != j.told and (j.reason not in QUEUE_PACE or now - j.pending_since >= PENDING_SAY_S)]
     if not due:
         return None
     parts = []
     for reason in dict.fromkeys(j.reason for j in due):
         same = [j for j in due if j.reason == reason]
         for j in same:
-            j.told = reason
+            j.told = _kind(reason)
         waited = now - min(j.pending_since for j in same)
         who = (f"job {same[0].named()} is" if len(same) == 1 else
                f"jobs {', '.join(f'#{j.num}' for j in same)} (Slurm {', '.join(j.job_id for j in same)}) are")
         parts.append(f"{who} waiting in the queue ({waited:.0f} s so far): {reason} (squeue's reason)")
     return "; ".join(parts)
+
+
+def _kind(reason: str) -> str:
+    """What is said of a wait: the reason that needs a person, or the queue's pace as one."""
+    return "the queue's pace" if reason in QUEUE_PACE else reason
 
 
 def watch(jobs: list[Watched], queue=queue_states, accounting=accounting_state, clock=time.monotonic,

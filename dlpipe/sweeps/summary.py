@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from dlpipe.sweeps.advice import CHECK_TAG, withdrawn_advice
-from dlpipe.sweeps.chart import PANELS, sweep_plot
+from dlpipe.sweeps.chart import FOLLOWS, PANELS, sweep_plot
 from dlpipe.sweeps.jobs import JOB_NUM_TAG, Job, sweep_jobs
 from dlpipe.sweeps.noise import CONTENTION, SPEED
 from dlpipe.sweeps.objective import monitored_metrics, sweep_objective
@@ -87,7 +87,7 @@ def summarise(client, parent: str, children, failed: dict[int, str]) -> Summary 
     try:
         jobs = sweep_jobs(children, failed, record_job_numbers(client, children))
         objective, monitored = sweep_objective(children), monitored_metrics(children)
-        ranked_panels = [p.metric for p in PANELS if p.better]  # each judged against its own noise
+        ranked_panels = [p.metric for p in PANELS if p.better and p.metric not in FOLLOWS]  # each against its noise
         fetch_histories(client, jobs, [SPEED, *CONTENTION, *ranked_panels, *([objective.metric] if objective else [])])
         verdict = judge(jobs, objective)
         table = sweep_table(jobs, objective, monitored, verdict.sentences())

@@ -8,8 +8,9 @@ runs the same check once on the sweep's own config (the values every trial share
 process with the job's line before the others run.
 
 What only a built job knows (the direction of a torchmetrics metric of your own, a validation split
-that comes out empty) is still checked by each job; so is a config this one cannot resolve or type
-outside a job (the job then says what is wrong in its own line).
+that comes out empty) is still checked by each job; so is a search that sweeps a key the objective
+depends on (`loss=choice(mse,l1)`: the default loss would log other metrics than every trial does),
+and a config this one cannot resolve or type outside a job (the job then says what is wrong).
 """
 
 import sys
@@ -21,11 +22,25 @@ from omegaconf.errors import OmegaConfBaseException
 from dlpipe.config.objective import Sweeper, choose_objective
 from dlpipe.config.validation import validate
 from dlpipe.errors import ConfigError, DlpipeError
+from dlpipe.sweeps.callback import swept_keys
 from dlpipe.tasks.fit_checks import TELEMETRY_METRICS
 from dlpipe.tracking.metric_names import dlpipe_name
 
 # Imported inside functions: tasks.build, which imports torch (about 1 s), only for a sweeper that reads
 # what jobs return: the basic sweeper's sweeps start without it.
+
+
+OBJECTIVE_KEYS = ("recipe", "task", "loss", "metrics", "sweep", "checkpoint", "val_dataset", "batch",
+                  "trainer.val_fraction", "trainer.limit_val_batches")
+"""What the objective, its direction and whether the job logs it depend on (config.objective)."""
+
+
+def sweeps_the_objective(config: DictConfig) -> bool:
+    """Whether the search sweeps a key the objective depends on: on the command line, or in
+    `hydra.sweeper.params` (Optuna's search space written in the config)."""
+    params = config.hydra.sweeper.get("params") or {}
+    keys = [*swept_keys(list(config.hydra.overrides.task)), *(str(k).lstrip("+~") for k in params)]
+    return any(k == o or k.startswith(f"{o}.") for k in keys for o in OBJECTIVE_KEYS)
 
 
 def shared_config(config: DictConfig) -> dict | None:
@@ -43,7 +58,7 @@ def objective_problem(config: DictConfig) -> list[str]:
     not, where the sweeper ignores what jobs return, or where only a job can tell."""
     node = config.hydra.sweeper
     sweeper = Sweeper(str(node.get("_target_")), node.get("direction"))
-    if not sweeper.reads_objective or config.get("task", "train") != "train":
+    if not sweeper.reads_objective or config.get("task", "train") != "train" or sweeps_the_objective(config):
         return []
     resolved = shared_config(config)
     if resolved is None:
